@@ -1,0 +1,162 @@
+"""Checkpoints: atomic resumable state (torch.save, loaded weights_only) and exported weights
+(safetensors).
+
+A checkpoint file is untrusted input: it is loaded with `weights_only=True` only, after its
+sha256 sidecar has been checked, so a truncated, tampered or pickle-bearing file is refused
+with a clear message instead of being executed or half-read.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STEP_FILE = re.compile(r"^step_(\d{9})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message says which file and what to do."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, write) -> None:
+    """Calls write(file) on a temp file in the same directory, fsyncs and renames it into place."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, lambda f: f.write(text.encode()))
+
+
+def save_checkpoint(state: dict, directory: Path, step: int, keep: int) -> Path:
+    """Writes step_<N>.pt atomically, then its sha256 sidecar, then prunes to the last `keep`.
+
+    The sidecar is written after the data file: a kill in between leaves a file without a
+    sidecar, which `latest_checkpoint` ignores, so the previous checkpoint is used.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step:09d}.pt"
+    atomic_write_bytes(path, lambda f: torch.save(state, f))
+    atomic_write_text(path.with_suffix(".sha256"), sha256_file(path) + "\n")
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".sha256").unlink(missing_ok=True)
+    return path
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints (data file + sidecar), oldest first."""
+    if not directory.is_dir():
+        return []
+    files = [p for p in directory.iterdir() if STEP_FILE.match(p.name) and p.with_suffix(".sha256").exists()]
+    return sorted(files)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Verifies the sha256 sidecar, then loads with weights_only=True (no code execution)."""
+    sidecar = path.with_suffix(".sha256")
+    if not sidecar.exists():
+        raise CheckpointError(f"{path}: no sha256 sidecar; the write was interrupted. Delete it to resume from an earlier one")
+    expected = sidecar.read_text().strip()
+    if sha256_file(path) != expected:
+        raise CheckpointError(f"{path}: sha256 mismatch (truncated or modified); delete it to resume from an earlier checkpoint")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError for payloads, RuntimeError for corrupt zips
+        raise CheckpointError(f"{path}: refused to load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    ckpts = list_checkpoints(directory)
+    return ckpts[-1] if ckpts else None
+
+
+# --- exported weights ----------------------------------------------------------------------
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Writes a flat name -> tensor dict as safetensors, atomically."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    if not Path(path).exists():
+        raise CheckpointError(f"{path}: not found; run `dvc repro train` (or `ddpmrepro train`) first")
+    try:
+        return load_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0][:200]}); retrain or restore it with `dvc checkout`") from None
+
+
+def ema_filename(rate: float) -> str:
+    return f"ema_{rate:g}.safetensors"
+
+
+# --- a run directory is written by one process at a time -------------------------------------
+
+
+class RunLock:
+    """An exclusive, non-blocking flock on <dir>/.lock; released when the process dies."""
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory) / ".lock"
+        self._fd = None
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = None
+            raise CheckpointError(f"{self.path.parent}: another process is training into this run directory; wait for it or stop it") from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, json.dumps({"pid": os.getpid()}).encode())
+        return self
+
+    def __exit__(self, *exc):
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

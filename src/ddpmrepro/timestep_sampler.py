@@ -1,0 +1,108 @@
+"""Timestep samplers: uniform, and IDDPM's loss-second-moment importance sampler.
+
+A sampler draws `t` with probabilities `p_t` and returns the weights `1 / (T p_t)` that make
+the weighted loss an unbiased estimate of the uniform-t loss: E_p[w_t L_t] = mean_t L_t.
+The importance sampler keeps the last `history` losses of every timestep, stays uniform
+until every timestep has a full history, then uses p_t ∝ sqrt(E[L_t^2]) mixed with a small
+uniform share (Nichol & Dhariwal 2021, Sec. 3.3). Under DDP the losses of all ranks are
+all-gathered before `update`, so every rank holds the identical history and draws with the
+same weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class UniformSampler:
+    def __init__(self, num_timesteps: int):
+        self.num_timesteps = num_timesteps
+
+    def weights(self) -> np.ndarray:
+        return np.ones(self.num_timesteps, dtype=np.float64)
+
+    def sample(self, n: int, generator: torch.Generator, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns t (n,) int64 and the importance weights (n,) float32."""
+        w = self.weights()
+        p = torch.from_numpy(w / w.sum())
+        t = torch.multinomial(p, n, replacement=True, generator=generator)
+        weights = 1.0 / (len(p) * p[t])
+        return t.to(device), weights.float().to(device)
+
+    def update(self, t: torch.Tensor, losses: torch.Tensor) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class LossSecondMomentSampler(UniformSampler):
+    def __init__(self, num_timesteps: int, history: int = 10, uniform_prob: float = 0.001):
+        super().__init__(num_timesteps)
+        self.history = history
+        self.uniform_prob = uniform_prob
+        self.loss_history = np.zeros((num_timesteps, history), dtype=np.float64)
+        self.loss_counts = np.zeros(num_timesteps, dtype=np.int64)
+
+    def warmed_up(self) -> bool:
+        return bool((self.loss_counts == self.history).all())
+
+    def weights(self) -> np.ndarray:
+        if not self.warmed_up():
+            return np.ones(self.num_timesteps, dtype=np.float64)
+        w = np.sqrt(np.mean(self.loss_history**2, axis=-1))
+        w /= w.sum()
+        w *= 1 - self.uniform_prob
+        w += self.uniform_prob / len(w)
+        return w
+
+    def update(self, t: torch.Tensor, losses: torch.Tensor) -> None:
+        """Records per-example losses (unweighted) in the ring buffer of each timestep.
+
+        Call with the losses of *all* ranks (see `gather_for_sampler`), in the same order on
+        every rank, so the histories stay identical.
+        """
+        for ti, loss in zip(t.tolist(), losses.tolist()):
+            if self.loss_counts[ti] == self.history:
+                # drop the oldest (a shift keeps the order, so state is deterministic)
+                self.loss_history[ti, :-1] = self.loss_history[ti, 1:]
+                self.loss_history[ti, -1] = loss
+            else:
+                self.loss_history[ti, self.loss_counts[ti]] = loss
+                self.loss_counts[ti] += 1
+
+    def state_dict(self) -> dict:
+        # tensors, not numpy arrays: checkpoints load with weights_only=True
+        return {"loss_history": torch.from_numpy(self.loss_history.copy()),
+                "loss_counts": torch.from_numpy(self.loss_counts.copy())}
+
+    def load_state_dict(self, state: dict) -> None:
+        hist = state["loss_history"].numpy()
+        if hist.shape != self.loss_history.shape:
+            raise ValueError(f"sampler history has shape {tuple(hist.shape)}, expected {self.loss_history.shape}")
+        self.loss_history = hist.astype(np.float64).copy()
+        self.loss_counts = state["loss_counts"].numpy().astype(np.int64).copy()
+
+
+def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gathers (t, loss) from every rank in rank order; identity without a process group."""
+    t, losses = t.detach(), losses.detach().float()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t.cpu(), losses.cpu()
+    ts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    ls = [torch.empty_like(losses) for _ in range(dist.get_world_size())]
+    dist.all_gather(ts, t)
+    dist.all_gather(ls, losses)
+    return torch.cat(ts).cpu(), torch.cat(ls).cpu()
+
+
+def create_sampler(name: str, num_timesteps: int) -> UniformSampler:
+    if name == "uniform":
+        return UniformSampler(num_timesteps)
+    if name == "loss-second-moment":
+        return LossSecondMomentSampler(num_timesteps)
+    raise ValueError(f"unknown timestep sampler {name!r}")

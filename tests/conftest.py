@@ -1,0 +1,25 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # tests/fake_datasets.py and friends
+
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+# Temp git repos in the end-to-end tests need an identity even on a bare CI machine.
+for key, value in {"GIT_AUTHOR_NAME": "ddpmrepro tests", "GIT_AUTHOR_EMAIL": "tests@ddpmrepro.invalid",
+                   "GIT_COMMITTER_NAME": "ddpmrepro tests", "GIT_COMMITTER_EMAIL": "tests@ddpmrepro.invalid"}.items():
+    os.environ.setdefault(key, value)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

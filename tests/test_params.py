@@ -1,0 +1,72 @@
+"""params.yaml validation: every bad key or value names its path; the shipped file loads."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddpmrepro import params as P
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_params_load_and_are_frozen():
+    p = P.load(ROOT / "params.yaml")
+    assert p.data.source == "digits"
+    with pytest.raises(Exception):
+        p.train.lr = 1.0  # frozen
+
+
+def test_every_section_matches_the_dataclass_defaults_keys():
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert set(raw) == {f for f in P.Params.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
+    ({"train": {"lr": -1.0}}, "train.lr: must be > 0"),
+    ({"train": {"steps": 1.5}}, "train.steps: expected an integer"),
+    ({"train": {"steps": True}}, "train.steps: expected an integer"),
+    ({"train": {"precision": "fp8"}}, "train.precision: 'fp8' is not one of fp32 | fp16 | bf16"),
+    ({"train": {"ema_rates": [1.5]}}, "train.ema_rates[0]: must lie in (0, 1)"),
+    ({"train": {"ema_rates": []}}, "train.ema_rates: give at least one"),
+    ({"train": {"lrr": 1e-3}}, "train.lrr: unknown key"),
+    ({"trian": {}}, "trian: unknown key"),
+    ({"model": {"channel_mult": [1, 0]}}, "model.channel_mult: must be >= 1"),
+    ({"model": {"preset": "huge"}}, "model.preset: 'huge' is not one of"),
+    ({"data": {"channels": 2}}, "data.channels: 2 is not one of 1 | 3"),
+    ({"data": "digits"}, "data: expected a mapping"),
+    ({"sample": {"respacing": "fast"}}, "sample.respacing: 'fast' is not"),
+    ({"train": {"lr": float("nan")}}, "train.lr: expected a finite number"),
+    ({"introspect": {"params": "*"}}, "introspect.params: expected a list of a string"),
+])
+def test_bad_values_name_the_key_path(raw, message):
+    with pytest.raises(P.ParamsError) as e:
+        P.from_dict(raw)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_scientific_notation_without_dot_is_a_number():
+    # YAML 1.1 reads `2e-4` as a string; users write it that way all the time.
+    p = P.from_dict(yaml.safe_load("train: {lr: 2e-4}"))
+    assert p.train.lr == pytest.approx(2e-4)
+
+
+def test_model_overrides_are_only_the_explicit_keys():
+    p = P.from_dict({"model": {"preset": "ddpm-cifar10", "dropout": 0.2}})
+    assert p.model.overrides() == {"dropout": 0.2}
+
+
+def test_section_hash_changes_with_values_only():
+    a, b = P.from_dict({}), P.from_dict({"train": {"lr": 1e-4}})
+    assert a.section_hash("train") != b.section_hash("train")
+    assert a.section_hash("model") == b.section_hash("model")
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train: {lr: [1\n")
+    with pytest.raises(P.ParamsError, match="not valid YAML"):
+        P.load(bad)
+    with pytest.raises(P.ParamsError, match="file not found"):
+        P.load(tmp_path / "missing.yaml")
