@@ -1,0 +1,312 @@
+"""The class-conditional UNet of DDPM (Ho et al. 2020) and IDDPM (Nichol & Dhariwal 2021).
+
+One pure `nn.Module`: it knows nothing of DDP, autocast, EMA or logging, and uses no in-place
+activations (the introspection code hooks module outputs). Submodules are named so that a
+parameter table reads well: `time_embed`, `label_embed`, `input_blocks.{i}`, `middle_block`,
+`output_blocks.{i}`, `out`.
+
+Layout (the DDPM/IDDPM UNet): a 3x3 input conv, then per resolution level `num_res_blocks`
+residual blocks (followed by self-attention where the feature map's side is listed in
+`attention_resolutions`) and a strided-conv downsample between levels; a middle block of
+res-attention-res; the mirror image on the way up, with one extra residual block per level that
+consumes the skip from the downsample, and nearest-neighbour+conv upsampling; then
+GroupNorm-SiLU-conv to the output.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Architecture kwargs per preset, keyed as in `ModelParams` (params.yaml `model:` section).
+PRESETS: dict[str, dict] = {
+    # Ho et al. 2020, CIFAR-10: 35.7M params. One attention head (256 channels at 16x16 and in the
+    # middle), additive time conditioning. Use with diffusion variance fixed_* and loss mse.
+    "ddpm-cifar10": dict(
+        channels=128, channel_mult=[1, 2, 2, 2], num_res_blocks=2, attention_resolutions=[16],
+        num_head_channels=256, dropout=0.1, scale_shift_norm=False,
+    ),
+    # Nichol & Dhariwal 2021, CIFAR-10 L_hybrid: ~52.5M params with learned sigma. Four heads of
+    # 64 channels, scale-shift norm (AdaGN). Use with variance learned_range and loss hybrid.
+    "iddpm-cifar10": dict(
+        channels=128, channel_mult=[1, 2, 2, 2], num_res_blocks=3, attention_resolutions=[16, 8],
+        num_head_channels=64, dropout=0.3, scale_shift_norm=True,
+    ),
+    # The CPU default: 8x8 single-channel digits, ~0.46M params. Two levels (8x8, 4x4) at full
+    # width rather than three widening ones: (1, 2, 2) would be 1.7M params and twice as slow.
+    "tiny": dict(
+        channels=32, channel_mult=[1, 1], num_res_blocks=2, attention_resolutions=[4],
+        num_head_channels=32, dropout=0.1, scale_shift_norm=True,
+    ),
+}
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding of (possibly non-integer) timesteps, as in the Transformer.
+
+    :param t: (B,) timesteps; the model embeds whatever index it is given.
+    :param dim: embedding width (an odd width gets a zero last column).
+    :param max_period: the longest wavelength.
+    :return: (B, dim) float32 embedding, [cos | sin].
+    """
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]  # (B, half)
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    if dim % 2:
+        emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+    return emb
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    """GroupNorm with 32 groups, or the largest count below 32 that divides `channels` (small widths)."""
+    groups = next(g for g in range(min(32, channels), 0, -1) if channels % g == 0)
+    return nn.GroupNorm(groups, channels)
+
+
+def zero_module(module: nn.Module) -> nn.Module:
+    """Zeroes a module's parameters, so a residual branch starts as the identity (IDDPM)."""
+    for p in module.parameters():
+        nn.init.zeros_(p)
+    return module
+
+
+class ResBlock(nn.Module):
+    """Residual block conditioned on the (time + label) embedding.
+
+    Two 3x3 convs, each after GroupNorm+SiLU; dropout before the second. The embedding enters
+    either additively after the first conv (DDPM) or as a scale and shift of the second
+    normalisation, `norm(h) * (1 + scale) + shift` (IDDPM's AdaGN, `scale_shift_norm=True`).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, emb_channels: int, dropout: float,
+                 scale_shift_norm: bool):
+        """
+        :param in_channels: input feature channels.
+        :param out_channels: output feature channels (a 1x1 conv matches the skip if they differ).
+        :param emb_channels: width of the conditioning embedding.
+        :param dropout: dropout probability before the second conv.
+        :param scale_shift_norm: AdaGN conditioning if True, additive otherwise.
+        """
+        super().__init__()
+        self.scale_shift_norm = scale_shift_norm
+        self.in_layers = nn.Sequential(
+            group_norm(in_channels), nn.SiLU(), nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        )
+        # AdaGN needs a scale and a shift per channel, hence twice the width.
+        self.emb_layers = nn.Sequential(
+            nn.SiLU(), nn.Linear(emb_channels, 2 * out_channels if scale_shift_norm else out_channels)
+        )
+        self.out_norm = group_norm(out_channels)
+        self.out_layers = nn.Sequential(
+            nn.SiLU(), nn.Dropout(dropout),
+            # Zero-init: the block starts as the identity, which keeps deep UNets stable early on.
+            zero_module(nn.Conv2d(out_channels, out_channels, 3, padding=1)),
+        )
+        self.skip = nn.Identity() if in_channels == out_channels else nn.Conv2d(in_channels, out_channels, 1)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        h = self.in_layers(x)  # (B, C_out, H, W)
+        e = self.emb_layers(emb)[:, :, None, None]  # (B, C_out or 2*C_out, 1, 1)
+        if self.scale_shift_norm:
+            scale, shift = e.chunk(2, dim=1)
+            h = self.out_norm(h) * (1 + scale) + shift
+        else:
+            h = self.out_norm(h + e)
+        return self.skip(x) + self.out_layers(h)
+
+
+class AttentionBlock(nn.Module):
+    """Multi-head self-attention over the spatial positions of a feature map, with a residual."""
+
+    def __init__(self, channels: int, num_head_channels: int):
+        """
+        :param channels: feature channels; a multiple of `num_head_channels`, or fewer (one head).
+        :param num_head_channels: channels per head (heads = channels // num_head_channels).
+        """
+        super().__init__()
+        # A narrow override of a wide preset (e.g. channels=32 with 256-channel heads) gets one head.
+        num_head_channels = min(num_head_channels, channels)
+        if channels % num_head_channels:
+            raise ValueError(
+                f"attention over {channels} channels cannot be split into heads of {num_head_channels}; "
+                f"choose num_head_channels dividing {channels}"
+            )
+        self.num_heads = channels // num_head_channels
+        self.norm = group_norm(channels)
+        self.qkv = nn.Conv1d(channels, 3 * channels, 1)
+        self.proj_out = zero_module(nn.Conv1d(channels, channels, 1))
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
+        b, c, hgt, wid = x.shape
+        qkv = self.qkv(self.norm(x).reshape(b, c, hgt * wid))  # (B, 3C, L)
+        # (B, heads, L, head_ch) for each of q, k, v
+        q, k, v = qkv.reshape(b, 3, self.num_heads, c // self.num_heads, hgt * wid).permute(1, 0, 2, 4, 3)
+        h = F.scaled_dot_product_attention(q, k, v)  # (B, heads, L, head_ch)
+        h = h.permute(0, 1, 3, 2).reshape(b, c, hgt * wid)
+        return x + self.proj_out(h).reshape(b, c, hgt, wid)
+
+
+class Downsample(nn.Module):
+    """Halves the resolution with a strided 3x3 conv (DDPM)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.op = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
+        return self.op(x)
+
+
+class Upsample(nn.Module):
+    """Doubles the resolution by nearest-neighbour upsampling and a 3x3 conv (DDPM)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2, mode="nearest"))
+
+
+class EmbedSequential(nn.Sequential):
+    """A Sequential whose layers take the embedding too (plain layers ignore it)."""
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x, emb) if isinstance(layer, (ResBlock, AttentionBlock, Downsample, Upsample)) else layer(x)
+        return x
+
+
+class UNet(nn.Module):
+    """Class-conditional UNet predicting eps (or x0), and optionally the variance interpolant v.
+
+    Labels in [0, num_classes) are classes; `num_classes` itself is the null label used for
+    classifier-free guidance, so the label table has num_classes + 1 rows.
+    """
+
+    def __init__(self, image_size: int, in_channels: int, model_channels: int, out_channels: int,
+                 num_res_blocks: int, attention_resolutions, dropout: float, channel_mult,
+                 num_classes: int | None, num_head_channels: int, scale_shift_norm: bool):
+        """
+        :param image_size: side of the (square) input in pixels; 2**(len(channel_mult)-1) must divide it.
+        :param in_channels: image channels (1 or 3).
+        :param model_channels: base width; level i has model_channels * channel_mult[i] channels.
+        :param out_channels: in_channels, or 2 * in_channels when the variance is learned.
+        :param num_res_blocks: residual blocks per level on the way down (one more on the way up).
+        :param attention_resolutions: feature-map sides (pixels) at which to add self-attention,
+            e.g. [16] for 32x32 CIFAR; sides that never occur are ignored.
+        :param dropout: dropout in every residual block.
+        :param channel_mult: width multiplier per level.
+        :param num_classes: number of classes, or None for an unconditional model (y must be None).
+        :param num_head_channels: channels per attention head.
+        :param scale_shift_norm: IDDPM AdaGN conditioning if True, DDPM additive otherwise.
+        """
+        super().__init__()
+        factor = 2 ** (len(channel_mult) - 1)
+        if image_size % factor:
+            raise ValueError(
+                f"image_size {image_size} is not divisible by {factor}, which {len(channel_mult)} levels "
+                f"(channel_mult={list(channel_mult)}) need; use fewer levels or another image size"
+            )
+        self.image_size, self.in_channels, self.out_channels = image_size, in_channels, out_channels
+        self.model_channels, self.num_classes = model_channels, num_classes
+        attention_resolutions = set(attention_resolutions)
+        emb_ch = 4 * model_channels
+
+        self.time_embed = nn.Sequential(
+            nn.Linear(model_channels, emb_ch), nn.SiLU(), nn.Linear(emb_ch, emb_ch)
+        )
+        self.label_embed = nn.Embedding(num_classes + 1, emb_ch) if num_classes is not None else None
+
+        def res(cin: int, cout: int) -> ResBlock:
+            return ResBlock(cin, cout, emb_ch, dropout, scale_shift_norm)
+
+        # Down path: remember each block's output width, for the skips the up path concatenates.
+        ch, side = model_channels, image_size
+        self.input_blocks = nn.ModuleList([EmbedSequential(nn.Conv2d(in_channels, ch, 3, padding=1))])
+        skip_chs = [ch]
+        for level, mult in enumerate(channel_mult):
+            for _ in range(num_res_blocks):
+                layers = [res(ch, model_channels * mult)]
+                ch = model_channels * mult
+                if side in attention_resolutions:
+                    layers.append(AttentionBlock(ch, num_head_channels))
+                self.input_blocks.append(EmbedSequential(*layers))
+                skip_chs.append(ch)
+            if level != len(channel_mult) - 1:
+                self.input_blocks.append(EmbedSequential(Downsample(ch)))
+                skip_chs.append(ch)
+                side //= 2
+
+        self.middle_block = EmbedSequential(res(ch, ch), AttentionBlock(ch, num_head_channels), res(ch, ch))
+
+        # Up path: num_res_blocks + 1 blocks per level, each eating one skip.
+        self.output_blocks = nn.ModuleList()
+        for level, mult in reversed(list(enumerate(channel_mult))):
+            for i in range(num_res_blocks + 1):
+                layers = [res(ch + skip_chs.pop(), model_channels * mult)]
+                ch = model_channels * mult
+                if side in attention_resolutions:
+                    layers.append(AttentionBlock(ch, num_head_channels))
+                if level and i == num_res_blocks:
+                    layers.append(Upsample(ch))
+                    side *= 2
+                self.output_blocks.append(EmbedSequential(*layers))
+
+        self.out = nn.Sequential(
+            group_norm(ch), nn.SiLU(), zero_module(nn.Conv2d(ch, out_channels, 3, padding=1))
+        )
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        """
+        :param x: (B, C, H, W) noisy images.
+        :param t: (B,) int64 timestep indices (embedded as given: respaced samplers pass the
+            original indices).
+        :param y: (B,) int64 labels in [0, num_classes] (num_classes = null label), or None for an
+            unconditional model.
+        :return: (B, out_channels, H, W).
+        """
+        if (y is None) != (self.label_embed is None):
+            raise ValueError(
+                "labels y are required by a class-conditional UNet (pass num_classes as the null label)"
+                if y is None else "this UNet is unconditional (num_classes=None); pass y=None"
+            )
+        emb = self.time_embed(timestep_embedding(t, self.model_channels))  # (B, 4ch)
+        if y is not None:
+            emb = emb + self.label_embed(y)
+        h, skips = x, []
+        for block in self.input_blocks:
+            h = block(h, emb)
+            skips.append(h)
+        h = self.middle_block(h, emb)
+        for block in self.output_blocks:
+            h = block(torch.cat([h, skips.pop()], dim=1), emb)
+        return self.out(h)
+
+
+def build_unet(model_params, *, image_size: int, in_channels: int, num_classes: int | None,
+               learn_sigma: bool) -> UNet:
+    """Builds the UNet of `PRESETS[model_params.preset]`, with the keys set in params.yaml overriding.
+
+    :param model_params: a `ddpmrepro.params.ModelParams`.
+    :param image_size: image side in pixels.
+    :param in_channels: image channels.
+    :param num_classes: classes (the null label is added), or None for unconditional.
+    :param learn_sigma: output 2 * in_channels (eps and the variance interpolant v).
+    """
+    if model_params.preset not in PRESETS:
+        raise ValueError(f"unknown model preset {model_params.preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg = {**PRESETS[model_params.preset], **model_params.overrides()}
+    return UNet(
+        image_size=image_size, in_channels=in_channels, model_channels=cfg["channels"],
+        out_channels=2 * in_channels if learn_sigma else in_channels,
+        num_res_blocks=cfg["num_res_blocks"], attention_resolutions=cfg["attention_resolutions"],
+        dropout=cfg["dropout"], channel_mult=cfg["channel_mult"], num_classes=num_classes,
+        num_head_channels=cfg["num_head_channels"], scale_shift_norm=cfg["scale_shift_norm"],
+    )
+
+
+__all__ = ["UNet", "PRESETS", "build_unet", "timestep_embedding"]
