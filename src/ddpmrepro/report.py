@@ -1,0 +1,201 @@
+"""Figures from the introspection tables and the dvclive metrics (matplotlib, Agg, no display).
+
+`make_report` draws whatever its inputs allow and returns the paths written:
+
+* `param_grad_heatmap.png`   log10 grad norm, parameter (or module) x recorded step
+* `param_update_heatmap.png` log10 update ratio ||dp|| / ||p||, same rows
+* `act_grad_heatmap.png`     log10 L2 of activation gradients, module (output, input) x step
+* `grad_norm_topk.png`       the top-k rows of both heatmaps by mean norm, as lines
+* `total_grad_norm.png`      global grad norm against the clipping threshold, clipped/skipped steps marked
+* `training_curves.png`      every dvclive metric in `live_dir/plots/metrics/**/*.tsv`
+
+`DVC_PLOTS` is the `plots:` block for dvc.yaml, so `dvc plots show` / `dvc plots diff` compare runs.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from .introspect import read_table  # noqa: E402
+from .params import ReportParams  # noqa: E402
+
+MAX_ROWS = 60  # heatmap rows; more parameters are combined per module (norm of the concatenation)
+
+DVC_PLOTS = [
+    {"reports/introspect/steps.tsv": {
+        "x": "step", "y": ["total_grad_norm", "clip_threshold"], "title": "Global gradient norm before clipping",
+        "x_label": "step", "y_label": "L2 norm"}},
+    {"reports/introspect/steps.tsv": {"x": "step", "y": ["loss_scale"], "title": "Loss scale", "template": "linear"}},
+    "reports/figures/param_grad_heatmap.png",
+    "reports/figures/act_grad_heatmap.png",
+    "reports/figures/grad_norm_topk.png",
+    "reports/figures/total_grad_norm.png",
+    "reports/figures/training_curves.png",
+]
+
+
+def group_param_rows(df: pd.DataFrame, max_rows: int = MAX_ROWS) -> pd.DataFrame:
+    """Per (step, row label) grad norm / update ratio, with at most `max_rows` labels in model order.
+
+    Parameter names are kept if few enough; otherwise they are cut to their module (drop the last
+    dotted part), then to ever shorter prefixes. A group's grad norm is the norm of the concatenated
+    grads, sqrt(sum of squares); its update ratio is ||dp|| / ||p|| over the group.
+    """
+    names = list(dict.fromkeys(df["name"]))
+    depth = max(n.count(".") + 1 for n in names)
+    label = {n: n for n in names}
+    while len(set(label.values())) > max_rows and depth > 1:
+        depth -= 1
+        label = {n: ".".join(n.split(".")[:depth]) for n in names}
+    d = df.assign(label=df["name"].map(label),
+                  g2=df["grad_norm"] ** 2, p2=df["param_norm"] ** 2,
+                  u2=(df["update_ratio"] * df["param_norm"]) ** 2)
+    out = d.groupby(["label", "step"], sort=False)[["g2", "p2", "u2"]].sum(min_count=1).reset_index()
+    out["grad_norm"] = np.sqrt(out["g2"])
+    out["update_ratio"] = np.sqrt(out["u2"]) / np.sqrt(out["p2"])
+    order = list(dict.fromkeys(label[n] for n in names))
+    out["label"] = pd.Categorical(out["label"], categories=order, ordered=True)
+    return out[["label", "step", "grad_norm", "update_ratio"]]
+
+
+def act_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """(label, step, l2) for activation gradients; per-rank rows are combined to the global L2."""
+    label = df["module"] + np.where(df["tensor"] == "input", " (in)", "")
+    d = df.assign(label=label, l22=df["l2"] ** 2)
+    out = d.groupby(["label", "step"], sort=False)["l22"].sum(min_count=1).reset_index()
+    out["l2"] = np.sqrt(out["l22"])
+    out["label"] = pd.Categorical(out["label"], categories=list(dict.fromkeys(label)), ordered=True)
+    return out[["label", "step", "l2"]]
+
+
+def _log10(a: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.log10(a.astype(float))
+    return np.where(np.isfinite(v), v, np.nan)
+
+
+def _heatmap(table: pd.DataFrame, value: str, title: str, cbar: str, path: Path) -> Path:
+    wide = table.pivot_table(index="label", columns="step", values=value, aggfunc="first", observed=True, dropna=False)
+    z = _log10(wide.to_numpy())
+    fig, ax = plt.subplots(figsize=(min(4 + 0.12 * wide.shape[1], 16), 1.5 + 0.22 * wide.shape[0]))
+    im = ax.imshow(np.ma.masked_invalid(z), aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set_yticks(range(len(wide.index)), [str(x) for x in wide.index], fontsize=7)
+    steps = list(wide.columns)
+    ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 12)).round().astype(int))
+    ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label=cbar)
+    return _save(fig, path)
+
+
+def _topk_lines(ax, table: pd.DataFrame, value: str, k: int, title: str) -> None:
+    means = table.groupby("label", observed=True)[value].mean().sort_values(ascending=False)
+    for label in means.index[:k]:
+        d = table[table["label"] == label].sort_values("step")
+        ax.plot(d["step"], d[value], marker=".", ms=3, lw=1, label=str(label))
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.legend(fontsize=6, loc="best")
+
+
+def _total_norm(steps: pd.DataFrame, path: Path) -> Path:
+    s = steps.sort_values("step")
+    fig, ax = plt.subplots(figsize=(8, 4))
+    finite = s[np.isfinite(s["total_grad_norm"])]
+    ax.plot(finite["step"], finite["total_grad_norm"], lw=1, marker=".", ms=3, label="total grad norm (before clipping)")
+    thr = s["clip_threshold"].where(s["clip_threshold"] > 0)
+    if thr.notna().any():
+        ax.plot(s["step"], thr, color="k", ls="--", lw=1, label="clip threshold")
+    c = s[s["clipped"] & ~s["skipped"] & np.isfinite(s["total_grad_norm"])]
+    ax.scatter(c["step"], c["total_grad_norm"], color="tab:orange", s=14, zorder=3, label=f"clipped ({len(c)})")
+    sk = s[s["skipped"]]
+    for i, st in enumerate(sk["step"]):
+        ax.axvline(st, color="tab:red", alpha=0.5, lw=1, label=f"skipped ({len(sk)})" if i == 0 else None)
+    if (finite["total_grad_norm"] > 0).all() and len(finite):
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("L2 norm")
+    ax.set_title("Global gradient norm")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def read_live_metrics(live_dir: Path) -> dict[str, pd.DataFrame]:
+    """dvclive's `plots/metrics/**/*.tsv`: name -> DataFrame with columns step, value."""
+    root = Path(live_dir) / "plots" / "metrics"
+    out = {}
+    for f in sorted(root.rglob("*.tsv")) if root.exists() else []:
+        df = pd.read_csv(f, sep="\t")
+        name = f.relative_to(root).with_suffix("").as_posix()
+        col = f.stem if f.stem in df.columns else df.columns[-1]
+        if "step" in df.columns and len(df):
+            out[name] = pd.DataFrame({"step": df["step"], "value": pd.to_numeric(df[col], errors="coerce")})
+    return out
+
+
+def _training_curves(metrics: dict[str, pd.DataFrame], path: Path) -> Path:
+    n = len(metrics)
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3 * rows), squeeze=False)
+    for ax, (name, df) in zip(axes.flat, metrics.items()):
+        ax.plot(df["step"], df["value"], lw=1)
+        if (df["value"] > 0).all() and name.split("/")[-1].startswith(("loss", "mse", "vb", "grad_norm")):
+            ax.set_yscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str | Path, params: ReportParams) -> list[Path]:
+    """Draws the figures the inputs allow into `out_dir`; returns their paths (missing inputs are skipped)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    pg = read_table(introspect_dir, "param_grads")
+    ag = read_table(introspect_dir, "act_grads")
+    st = read_table(introspect_dir, "steps")
+    pt = group_param_rows(pg) if len(pg) else None
+    at = act_rows(ag) if len(ag) else None
+    if pt is not None:
+        written.append(_heatmap(pt, "grad_norm", "Parameter gradient norm (after unscale, before clipping)",
+                                "log10 ||grad||", out / "param_grad_heatmap.png"))
+        if pt["update_ratio"].notna().any():
+            written.append(_heatmap(pt, "update_ratio", "Update ratio ||dp|| / ||p||", "log10 ratio",
+                                    out / "param_update_heatmap.png"))
+    if at is not None:
+        written.append(_heatmap(at, "l2", "Activation gradient L2 (divided by the loss scale)", "log10 ||dL/da||",
+                                out / "act_grad_heatmap.png"))
+    panels = [(t, v, ttl) for t, v, ttl in ((pt, "grad_norm", "parameters"), (at, "l2", "activations")) if t is not None]
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+        for ax, (t, v, ttl) in zip(axes[0], panels):
+            _topk_lines(ax, t, v, params.top_k, f"Top {params.top_k} {ttl} by mean gradient norm")
+        written.append(_save(fig, out / "grad_norm_topk.png"))
+    if len(st):
+        written.append(_total_norm(st, out / "total_grad_norm.png"))
+    metrics = read_live_metrics(Path(live_dir))
+    if metrics:
+        written.append(_training_curves(metrics, out / "training_curves.png"))
+    return written
+
+
+__all__ = ["make_report", "group_param_rows", "act_rows", "read_live_metrics", "DVC_PLOTS", "MAX_ROWS"]
