@@ -25,3 +25,8 @@ def test_first_slurm_host():
     assert launch.first_slurm_host("gpu[03-05,07],cpu1") == "gpu03"
     assert launch.first_slurm_host("a[1,4]") == "a1"
     assert launch.first_slurm_host("x1,x2") == "x1"
+
+
+def test_worker_args_drop_the_launchers_nproc():
+    assert launch.worker_args(["train", "--nproc", "2", "--out", "m"]) == ["train", "--out", "m"]
+    assert launch.worker_args(["train", "--nproc=2", "--restart"]) == ["train", "--restart"]

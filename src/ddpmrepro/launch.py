@@ -18,6 +18,20 @@ def slurm_nodes() -> int:
     return int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
 
 
+def worker_args(argv: list[str]) -> list[str]:
+    """The CLI arguments for the workers, without `--nproc N` (consumed by the launcher, and
+    torchrun's argparse would take it as an abbreviation of its own --nproc-per-node)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def torchrun_command(nproc: int, worker_args: list[str], *, max_restarts: int = 0) -> list[str]:
     """torchrun for one node; `--standalone` picks a free port and a fresh rendezvous id,
     so concurrent jobs on one host never collide."""

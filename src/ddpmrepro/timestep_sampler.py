@@ -24,9 +24,18 @@ class UniformSampler:
 
     def sample(self, n: int, generator: torch.Generator, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Returns t (n,) int64 and the importance weights (n,) float32."""
+        return self.sample_from_uniform(torch.rand(n, generator=generator, dtype=torch.float64), device)
+
+    def sample_from_uniform(self, u: torch.Tensor, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse-CDF draw: t_i = min{t : cdf(t) > u_i} for u_i ~ U[0, 1).
+
+        Lets the caller draw u_i from each example's own generator, so an example's timestep
+        does not depend on which process or batch it lands in.
+        """
         w = self.weights()
         p = torch.from_numpy(w / w.sum())
-        t = torch.multinomial(p, n, replacement=True, generator=generator)
+        cdf = torch.cumsum(p, 0)
+        t = torch.searchsorted(cdf, u.double().contiguous(), right=True).clamp(max=len(p) - 1)
         weights = 1.0 / (len(p) * p[t])
         return t.to(device), weights.float().to(device)
 
@@ -89,7 +98,12 @@ class LossSecondMomentSampler(UniformSampler):
 
 
 def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gathers (t, loss) from every rank in rank order; identity without a process group."""
+    """All-gathers (t, loss) from every rank, in global-batch order; identity without a group.
+
+    Rank r holds the examples r, r + W, r + 2W, ... of the global batch (DistributedSampler),
+    so interleaving the gathered rows restores the order one process with the whole batch
+    would see, and the sampler's history is the same whatever the world size.
+    """
     t, losses = t.detach(), losses.detach().float()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t.cpu(), losses.cpu()
@@ -97,7 +111,7 @@ def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Ten
     ls = [torch.empty_like(losses) for _ in range(dist.get_world_size())]
     dist.all_gather(ts, t)
     dist.all_gather(ls, losses)
-    return torch.cat(ts).cpu(), torch.cat(ls).cpu()
+    return torch.stack(ts, 1).reshape(-1).cpu(), torch.stack(ls, 1).reshape(-1).cpu()
 
 
 def create_sampler(name: str, num_timesteps: int) -> UniformSampler:
