@@ -110,7 +110,7 @@ class SampleParams:
     sampler: str = _f("ddim", choices=("ddim", "ddpm"))
     respacing: str = _f("ddim50")
     eta: float = _f(0.0, min=0.0, max=1.0)
-    guidance: float = _f(0.0, min=0.0)
+    guidance: float = _f(0.5, min=0.0)
     seed: int = _f(0, min=0)
     batch_size: int = _f(250, min=1)
     nproc: int = _f(1, min=1, max=1024)
@@ -265,8 +265,6 @@ def _check_cross_field(obj, path: str) -> None:
         for i, r in enumerate(obj.ema_rates):
             if not 0.0 < r < 1.0:
                 raise ParamsError(f"{path}.ema_rates[{i}]: must lie in (0, 1), got {r!r}")
-        if obj.precision == "fp16" and obj.device == "cpu":
-            raise ParamsError(f"{path}.precision: fp16 needs a CUDA device; use bf16 or fp32 on CPU")
     if isinstance(obj, ModelParams):
         if obj.channel_mult is not None and not obj.channel_mult:
             raise ParamsError(f"{path}.channel_mult: give positive integers, e.g. [1, 2, 2, 2]")

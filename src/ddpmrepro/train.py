@@ -1,0 +1,447 @@
+"""The training loop: one function, top to bottom, one comment per phase.
+
+This is the only module that knows about DDP, autocast, the GradScaler, EMA, the timestep
+sampler and introspection. The UNet and the diffusion math stay pure.
+
+Reproducibility: the data order is a function of (seed, epoch), and each example's random
+draws (timestep, noise, label dropout, flip) come from its own generator seeded by (seed,
+microbatch, position of the example in the global batch). So a resumed run draws exactly the
+numbers an uninterrupted run would have drawn (the checkpoint only needs the step), and
+2 processes x batch B see exactly the examples and draws of 1 process x batch 2B. Dropout
+masks come from the global RNG, reseeded per (seed, step, rank).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+from . import checkpoint as ckpt
+from . import distributed as D
+from . import introspect
+from .data import load_prepared, to_model_range
+from .diffusion import from_params as diffusion_from_params
+from .ema import ema_decay, init_ema, update_ema
+from .params import Params
+from .timestep_sampler import create_sampler, gather_for_sampler
+from .unet import build_unet
+
+log = logging.getLogger("ddpmrepro.train")
+
+# Keys that change how often we log or save, not what is learned: they must not
+# invalidate a checkpoint or the run hash.
+OPERATIONAL_TRAIN_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every")
+
+
+@dataclass(frozen=True)
+class TrainPaths:
+    data_dir: Path
+    model_dir: Path
+    live_dir: Path
+    introspect_dir: Path
+    checkpoint_root: Path
+
+
+def code_version() -> str:
+    """sha256 over this package's source files: a checkpoint resumes only under the same code."""
+    import hashlib
+
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def run_hash(params: Params, data_digest: str) -> str:
+    """Identifies what a checkpoint was trained with (the run's checkpoint directory)."""
+    import hashlib
+
+    d = params.to_dict()
+    train = {k: v for k, v in d["train"].items() if k not in OPERATIONAL_TRAIN_KEYS}
+    blob = json.dumps({"data": data_digest, "model": d["model"], "diffusion": d["diffusion"], "train": train},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def step_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
+    """A distinct 63-bit seed per (seed, step, rank, stream)."""
+    x = (seed * 1_000_003 + step) * 65_537 + rank * 257 + stream
+    return (x * 0x9E3779B97F4A7C15) % (2**63 - 1)
+
+
+def lr_at(step: int, p) -> float:
+    """Linear warmup to lr, then constant or a linear anneal to 0 at the last step."""
+    lr = p.lr
+    if p.warmup_steps and step < p.warmup_steps:
+        return lr * (step + 1) / p.warmup_steps
+    if p.anneal == "linear":
+        span = max(1, p.steps - p.warmup_steps)
+        return lr * max(0.0, 1.0 - (step - p.warmup_steps) / span)
+    return lr
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but no CUDA device is visible; set train.device: cpu or auto")
+    return torch.device("cuda", D.local_rank())
+
+
+class StopRequest:
+    """SIGINT/SIGTERM ask for a checkpoint at the next step boundary; a second SIGINT exits at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # second Ctrl-C: leave now; checkpoints are atomic, nothing is corrupted
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of this step "
+              "(Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _truncate_live_history(live_dir: Path, start_step: int) -> None:
+    """Drops dvclive rows logged after the checkpoint we resume from, so no step appears twice.
+    (Rows are keyed by the number of steps completed, so `start_step` itself is kept.)"""
+    for tsv in (live_dir / "plots" / "metrics").rglob("*.tsv"):
+        lines = tsv.read_text().splitlines()
+        if not lines:
+            continue
+        header, rows = lines[0], lines[1:]
+        col = header.split("\t").index("step")
+        kept = [r for r in rows if int(r.split("\t")[col]) <= start_step]
+        tsv.write_text("\n".join([header, *kept]) + "\n")
+
+
+def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
+    """Trains the diffusion model described by `params`; returns the final summary (rank 0)."""
+    p = params.train
+    device = resolve_device(p.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    D.init(device.type)
+    rank, world = D.rank(), D.world_size()
+    main = D.is_main()
+
+    # Data: the prepared arrays, verified against the manifest, held in memory.
+    data = load_prepared(paths.data_dir)
+    manifest = data.manifest
+    images = data.train_images  # (N, C, H, W) uint8
+    labels = torch.as_tensor(data.train_labels, dtype=torch.long)
+    images = torch.as_tensor(images)
+    num_classes = manifest["num_classes"]
+    hflip = bool(manifest.get("hflip_ok", False))
+
+    # Model, diffusion, optimizer, EMA, timestep sampler.
+    torch.manual_seed(p.seed)  # identical initial weights on every rank
+    diffusion = diffusion_from_params(params.diffusion)
+    raw_model = build_unet(params.model, image_size=manifest["image_size"], in_channels=manifest["channels"],
+                           num_classes=num_classes, learn_sigma=params.diffusion.variance == "learned_range").to(device)
+    opt = torch.optim.AdamW(raw_model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
+                            foreach=True)
+    scaler = torch.amp.GradScaler(device.type, enabled=p.precision == "fp16")
+    autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(p.precision)
+    emas = {rate: init_ema(raw_model) for rate in p.ema_rates}
+    sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps)
+    ema_updates, skipped_steps, start_step = 0, 0, 0
+
+    # Resume from the newest checkpoint of this exact run (params + data + code).
+    run_id = run_hash(params, manifest["files"]["train.npz"])
+    ckpt_dir = paths.checkpoint_root / run_id
+    version = code_version()
+    lock = ckpt.RunLock(ckpt_dir) if main else contextlib.nullcontext()
+    with lock:
+        latest = None if restart else ckpt.latest_checkpoint(ckpt_dir)
+        if latest is not None:
+            state = ckpt.load_checkpoint(latest)
+            if state["code_version"] != version:
+                raise ckpt.CheckpointError(
+                    f"{latest}: written by code version {state['code_version']}, this is {version}; "
+                    "rerun with `ddpmrepro train --restart` to start over, or restore that code")
+            if state["run_hash"] != run_id:
+                raise ckpt.CheckpointError(f"{latest}: belongs to run {state['run_hash']}, not {run_id}; remove it")
+            raw_model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            scaler.load_state_dict(state["scaler"])
+            emas = {float(r): v for r, v in state["ema"].items()}
+            sampler.load_state_dict(state["sampler"])
+            # No RNG state to restore: every draw of step s comes from seeds of (seed, s, rank).
+            start_step, ema_updates, skipped_steps = state["step"], state["ema_updates"], state["skipped_steps"]
+            if main:
+                log.info("resuming from %s (step %d)", latest, start_step)
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else raw_model
+
+        # Data order: DistributedSampler shards a per-epoch permutation of (seed, epoch) over ranks.
+        order = DistributedSampler(range(len(images)), num_replicas=world, rank=rank, shuffle=True,
+                                   seed=p.seed, drop_last=True)
+        batches_per_epoch = len(order) // p.batch_per_proc
+        if batches_per_epoch == 0:
+            raise RuntimeError(f"train.batch_per_proc={p.batch_per_proc} is larger than this rank's "
+                               f"{len(order)} training images; lower it")
+        epoch_indices: dict[int, list[int]] = {}
+
+        def microbatch(global_micro: int):
+            """This rank's examples of a microbatch and their own random draws."""
+            epoch, pos = divmod(global_micro, batches_per_epoch)
+            if epoch not in epoch_indices:
+                order.set_epoch(epoch)
+                epoch_indices.clear()
+                epoch_indices[epoch] = list(order)
+            idx = torch.tensor(epoch_indices[epoch][pos * p.batch_per_proc:(pos + 1) * p.batch_per_proc])
+            x0 = to_model_range(images[idx])  # (B, C, H, W) in [-1, 1]
+            # DistributedSampler gives rank r the examples r, r + W, r + 2W, ... of the global batch.
+            u = torch.empty(len(idx), 3, dtype=torch.float64)
+            noise = torch.empty(x0.shape)
+            for i in range(len(idx)):
+                g = torch.Generator().manual_seed(step_seed(p.seed, global_micro, rank + world * i, 1))
+                u[i] = torch.rand(3, generator=g, dtype=torch.float64)  # label drop, flip, timestep
+                noise[i] = torch.randn(x0.shape[1:], generator=g)
+            if hflip:
+                x0 = torch.where((u[:, 1] < 0.5)[:, None, None, None], x0.flip(-1), x0)
+            y = labels[idx]
+            # Classifier-free guidance: replace some labels by the null class.
+            y = torch.where(u[:, 0] < p.label_dropout, torch.full_like(y, num_classes), y)
+            t, weights = sampler.sample_from_uniform(u[:, 2])
+            return x0, y, t, weights, noise
+
+        # Introspection and logging live on rank 0 (activation stats are reduced over ranks).
+        grad_rec = introspect.ParamGradRecorder(raw_model.named_parameters(), params.introspect.params)
+        act_rec = introspect.ActivationGradRecorder(
+            raw_model, params.introspect.modules, histogram_bins=params.introspect.histogram_bins,
+            dump_steps=params.introspect.dump_steps, dump_modules=params.introspect.dump_modules,
+            dump_max_mb=params.introspect.dump_max_mb, reduction="global")
+        record_steps = set(params.introspect.steps)
+        # Tables and curves are written into the run directory while training (DVC deletes a
+        # stage's outputs before rerunning it, so a resumed run would lose the rows written before
+        # the kill); the export at the end copies them to the DVC outputs.
+        live = writer = None
+        work_live, work_tables = ckpt_dir / "live", ckpt_dir / "introspect"
+        if main:
+            from dvclive import Live
+
+            work_live.mkdir(parents=True, exist_ok=True)
+            if start_step:
+                _truncate_live_history(work_live, start_step)
+            live = Live(dir=str(work_live), dvcyaml=False, save_dvc_exp=False, resume=start_step > 0)
+            writer = introspect.TableWriter(work_tables, start_step=start_step)
+
+        # Running sums for the log line, kept on the device (no host sync between log steps).
+        stats = torch.zeros(8, dtype=torch.float64, device=device)  # loss, mse, vb, n, q-loss sums x4 after
+        quart = torch.zeros(2, 4, dtype=torch.float64, device=device)
+        nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        t_last, imgs_since = time.perf_counter(), 0
+        progress = _progress(main, start_step, p.steps)
+        summary: dict = {}
+
+        with StopRequest() as stop, act_rec:
+            for step in range(start_step, p.steps):
+                # Dropout masks of this step: from (seed, step, rank).
+                torch.manual_seed(step_seed(p.seed, step, rank, 0))  # dropout masks
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step, p)
+                recording = (params.introspect.every and step % params.introspect.every == 0) or step in record_steps
+                loss_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+                if recording:
+                    act_rec.arm(step, loss_scale=loss_scale)
+
+                # Accumulate gradients over microbatches; only the last one all-reduces.
+                for micro in range(p.grad_accum):
+                    x0, y, t, weights, noise = microbatch(step * p.grad_accum + micro)
+                    x0, y, t, weights, noise = (v.to(device, non_blocking=True) for v in (x0, y, t, weights, noise))
+
+                    def model_fn(x, tt, y=y):
+                        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                            out = model(x, tt, y)
+                        return out.float()  # diffusion math runs in fp32, outside autocast
+
+                    sync = contextlib.nullcontext() if (micro == p.grad_accum - 1 or world == 1) else model.no_sync()
+                    with sync:
+                        losses = diffusion.training_losses(model_fn, x0, t, noise=noise)
+                        loss = (losses["loss"] * weights).mean() / p.grad_accum
+                        scaler.scale(loss).backward()
+                    if p.timestep_sampler != "uniform":
+                        sampler.update(*gather_for_sampler(t, losses["loss"]))
+                    with torch.no_grad():
+                        stats[:4] += torch.stack([losses["loss"].sum(), losses["mse"].sum(), losses["vb"].sum(),
+                                                  torch.tensor(float(len(t)), device=device)]).double()
+                        q = (t * 4 // diffusion.num_timesteps).clamp(max=3)
+                        quart[0].index_add_(0, q, losses["loss"].detach().double())
+                        quart[1].index_add_(0, q, torch.ones_like(q, dtype=torch.float64))
+
+                # Unscale, measure, clip, step; an fp16 overflow step is skipped by the scaler.
+                scaler.unscale_(opt)
+                clip = p.grad_clip if p.grad_clip > 0 else math.inf
+                total_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
+                nonfinite |= ~torch.isfinite(total_norm) & (not scaler.is_enabled())
+                if recording and main:
+                    grad_rec.capture(step)  # after all-reduce and unscale, before clipping (in place)
+                scaler.step(opt)
+                scaler.update()
+                skipped = scaler.is_enabled() and scaler.get_scale() < loss_scale
+                opt.zero_grad(set_to_none=True)
+
+                # Update the EMA weights (not on skipped steps: the weights did not move).
+                if skipped:
+                    skipped_steps += 1
+                else:
+                    for rate, ema in emas.items():
+                        update_ema(ema, raw_model, ema_decay(rate, ema_updates, p.ema_warmup))
+                    ema_updates += 1
+
+                if recording:
+                    act_rows = act_rec.collect()  # a collective under DDP: every rank calls it
+                    if main:
+                        param_rows, step_row = grad_rec.finish(total_norm=total_norm, clip_threshold=p.grad_clip,
+                                                               skipped=skipped, loss_scale=loss_scale, lr=lr_at(step, p))
+                        writer.add(step, params=param_rows, summary=step_row, activations=act_rows,
+                                   dumps=act_rec.take_dumps())
+
+                # Log: one host copy per log step.
+                done = step + 1
+                imgs_since += p.batch_per_proc * p.grad_accum * world
+                stop_now = _agree(stop.requested)
+                if done % p.log_every == 0 or done == p.steps or stop_now:
+                    if world > 1:
+                        dist.all_reduce(stats)
+                        dist.all_reduce(quart)
+                    s, qs = stats.cpu().tolist(), quart.cpu().tolist()
+                    if bool(nonfinite.item()):
+                        raise FloatingPointError(f"non-finite gradient norm before step {done} under {p.precision}; "
+                                                 "lower train.lr or enable train.grad_clip")
+                    now = time.perf_counter()
+                    summary = {
+                        "step": done, "loss": s[0] / s[3], "mse": s[1] / s[3], "vb": s[2] / s[3],
+                        **{f"loss_q{i}": qs[0][i] / qs[1][i] for i in range(4) if qs[1][i]},
+                        "grad_norm": float(total_norm), "lr": lr_at(step, p), "loss_scale": loss_scale,
+                        "skipped_steps": skipped_steps, "images_per_sec": imgs_since / (now - t_last),
+                    }
+                    stats.zero_(), quart.zero_()
+                    t_last, imgs_since = now, 0
+                    if main:
+                        live.step = done
+                        for k, v in summary.items():
+                            if k != "step":
+                                live.log_metric(k, v)
+                        live.next_step()
+                        progress(done, summary)
+
+                # Checkpoint atomically every k steps, at the end, and when asked to stop.
+                if done % p.checkpoint_every == 0 or done == p.steps or stop_now:
+                    state = {
+                        "step": done, "model": raw_model.state_dict(), "optimizer": opt.state_dict(),
+                        "scaler": scaler.state_dict(), "ema": {str(r): e for r, e in emas.items()},
+                        "sampler": sampler.state_dict(), "ema_updates": ema_updates,
+                        "skipped_steps": skipped_steps, "rng": {"torch": torch.get_rng_state()},
+                        "run_hash": run_id, "code_version": version, "params": params.to_dict(),
+                    }
+                    if main:
+                        ckpt.save_checkpoint(state, ckpt_dir, done, keep=p.keep_checkpoints)
+                        writer.flush()
+                    D.barrier()
+                if stop_now and done < p.steps:
+                    if main:
+                        writer.close()
+                        print(f"stopped at step {done}/{p.steps}; checkpoint saved in {ckpt_dir}. "
+                              "Rerun the same command (or `dvc repro`) to resume.", file=sys.stderr)
+                    raise SystemExit(130)
+
+        # Export the final weights (safetensors) and the resolved params: the DVC outputs.
+        if main:
+            writer.close()
+            live.end()
+            _export(paths.model_dir, raw_model, emas, params, manifest, version, run_id, summary)
+            _replace_dir(work_live, paths.live_dir)
+            _replace_dir(work_tables, paths.introspect_dir)
+        D.barrier()
+    return summary
+
+
+def _agree(flag: bool) -> bool:
+    """Every rank stops at the same step if any rank was asked to (one tiny all-reduce)."""
+    if D.world_size() == 1:
+        return flag
+    return D.all_reduce_max(float(flag)) > 0
+
+
+def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary) -> None:
+    import shutil
+
+    tmp = model_dir.with_name(f".{model_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ckpt.save_weights(raw_model.state_dict(), tmp / "model.safetensors")
+    for rate, ema in emas.items():
+        ckpt.save_weights(ema, tmp / ckpt.ema_filename(rate))
+    config = {
+        "params": params.to_dict(), "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels",
+                                                                        "class_names")},
+        "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
+        "ema_rates": list(emas), "final": summary, "torch": torch.__version__,
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    tmp.rename(model_dir)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Copies src to dst through a temp sibling, so dst is either old or complete."""
+    import shutil
+
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+
+
+def _progress(main: bool, start: int, total: int):
+    """A tqdm bar with ETA in a terminal; plain periodic lines otherwise (logs, CI, SLURM)."""
+    if not main:
+        return lambda done, summary: None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
+
+        def update(done, summary):
+            bar.update(done - bar.n)
+            bar.set_postfix(loss=f"{summary['loss']:.4f}", img_s=f"{summary['images_per_sec']:.0f}")
+            if done == total:
+                bar.close()
+        return update
+    t0 = time.perf_counter()
+
+    def line(done, summary):
+        el = time.perf_counter() - t0
+        eta = el / max(1, done - start) * (total - done)
+        print(f"step {done}/{total} loss {summary['loss']:.4f} mse {summary['mse']:.4f} "
+              f"grad_norm {summary['grad_norm']:.3f} lr {summary['lr']:.2e} "
+              f"{summary['images_per_sec']:.0f} img/s eta {eta:.0f}s", file=sys.stderr, flush=True)
+    return line

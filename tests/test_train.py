@@ -1,0 +1,208 @@
+"""The training engine against invariants, with real processes (torchrun + gloo on CPU).
+
+- 2 processes x batch B make the same updates as 1 process x batch 2B;
+- N steps straight == N/2 steps + SIGKILL + resume, bitwise, with 1 and with 2 processes;
+- an fp16 overflow step is skipped and lowers the loss scale.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ddpmrepro import params as P
+from ddpmrepro.checkpoint import latest_checkpoint, load_checkpoint, load_weights
+from ddpmrepro.data import prepare
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+# A small, fast configuration; dropout 0 so that masks (per-rank RNG) play no part.
+SMALL = {
+    "model": {"channels": 16, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_resolutions": [4],
+              "num_head_channels": 16, "dropout": 0.0},
+    "diffusion": {"timesteps": 10},
+    "train": {"steps": 8, "batch_per_proc": 16, "warmup_steps": 2, "checkpoint_every": 4, "log_every": 2,
+              "timestep_sampler": "loss-second-moment", "ema_rates": [0.9, 0.99], "label_dropout": 0.2},
+    "introspect": {"every": 2, "steps": []},
+}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "prepared"
+    prepare(P.DataParams(), out)
+    return out
+
+
+def write_params(path: Path, **overrides) -> Path:
+    raw = {k: dict(v) for k, v in SMALL.items()}
+    for section, values in overrides.items():
+        raw.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def train_cmd(run_dir: Path, data: Path, params: Path, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "ddpmrepro.cli", "train", "--params", str(params), "--data", str(data),
+            "--out", str(run_dir / "model"), "--live", str(run_dir / "live"),
+            "--introspect", str(run_dir / "introspect"), "--checkpoints", str(run_dir / "ckpt"),
+            "--nproc", str(nproc)]
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+
+
+def run_train(run_dir: Path, data: Path, params: Path, nproc: int) -> None:
+    proc = subprocess.run(train_cmd(run_dir, data, params, nproc), env=env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def final_state(run_dir: Path) -> dict:
+    ckpt_dir = next((run_dir / "ckpt").iterdir())
+    state = load_checkpoint(latest_checkpoint(ckpt_dir))
+    weights = load_weights(run_dir / "model" / "model.safetensors")
+    emas = {r: load_weights(run_dir / "model" / f"ema_{r}.safetensors") for r in ("0.9", "0.99")}
+    return {"step": state["step"], "weights": weights, "emas": emas, "sampler": state["sampler"]}
+
+
+def assert_same(a: dict, b: dict, exact: bool) -> None:
+    def same(x, y):
+        return torch.equal(x, y) if exact else torch.allclose(x, y, rtol=1e-3, atol=5e-4)
+
+    assert a["step"] == b["step"]
+    for k in a["weights"]:
+        assert same(a["weights"][k], b["weights"][k]), k
+    for r in a["emas"]:
+        for k in a["emas"][r]:
+            assert same(a["emas"][r][k], b["emas"][r][k]), (r, k)
+    for k in a["sampler"]:
+        assert same(a["sampler"][k].double(), b["sampler"][k].double()), k
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_double_batch(tmp_path, prepared):
+    one = write_params(tmp_path / "one.yaml", train={"batch_per_proc": 16, "nproc": 1, "steps": 16})
+    two = write_params(tmp_path / "two.yaml", train={"batch_per_proc": 8, "nproc": 2, "steps": 16})
+    run_train(tmp_path / "one", prepared, one, nproc=1)
+    run_train(tmp_path / "two", prepared, two, nproc=2)
+    # The all-reduced gradients (recorded per parameter after backward, before clipping) equal
+    # those of one process on the whole batch: exactly the first time, to float tolerance later.
+    import pandas as pd
+
+    ga = pd.read_parquet(tmp_path / "one" / "introspect" / "param_grads").set_index(["step", "name"]).sort_index()
+    gb = pd.read_parquet(tmp_path / "two" / "introspect" / "param_grads").set_index(["step", "name"]).sort_index()
+    assert ga.index.equals(gb.index)
+    first = ga.index.get_level_values("step") == 0
+    nonzero = ga["grad_norm"] > 0
+    rel = (ga["grad_norm"] - gb["grad_norm"]).abs() / ga["grad_norm"].where(nonzero)
+    assert rel[first & nonzero].max() < 1e-5
+    for step, a_step in ga["grad_norm"].groupby(level="step"):
+        b_step = gb["grad_norm"].loc[step]
+        assert ((a_step - b_step) ** 2).sum() ** 0.5 < 1e-2 * (a_step**2).sum() ** 0.5, step
+    # Weights, EMAs and the importance sampler's history agree at float tolerance (Adam
+    # amplifies rounding differences a little over 16 steps).
+    a, b = final_state(tmp_path / "one"), final_state(tmp_path / "two")
+    assert bool((a["sampler"]["loss_counts"] == 10).all())  # left its uniform phase
+    assert_same(a, b, exact=False)
+    # and the runs did move the weights (the output conv starts at zero)
+    assert any(v.abs().sum() > 0 for k, v in a["weights"].items() if k.startswith("out."))
+
+
+def kill_after_checkpoint(run_dir: Path, data: Path, params: Path, nproc: int, step: int) -> None:
+    """Starts training, SIGKILLs its whole process group once checkpoint `step` is complete."""
+    proc = subprocess.Popen(train_cmd(run_dir, data, params, nproc), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if list((run_dir / "ckpt").glob(f"*/step_{step:09d}.sha256")):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "training finished before it could be killed: " + proc.stderr.read().decode()[-2000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "model").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_kill_and_resume_is_bitwise_identical(tmp_path, prepared, nproc):
+    params = write_params(tmp_path / "p.yaml", train={"nproc": nproc, "batch_per_proc": 16 // nproc})
+    run_train(tmp_path / "straight", prepared, params, nproc)
+    kill_after_checkpoint(tmp_path / "resumed", prepared, params, nproc, step=4)
+    run_train(tmp_path / "resumed", prepared, params, nproc)
+    assert_same(final_state(tmp_path / "straight"), final_state(tmp_path / "resumed"), exact=True)
+    # the gradient tables of the resumed run hold every recorded step exactly once
+    import pandas as pd
+
+    steps = pd.read_parquet(tmp_path / "resumed" / "introspect" / "steps")["step"].tolist()
+    assert sorted(steps) == [0, 2, 4, 6]
+    loss = pd.read_csv(tmp_path / "resumed" / "live" / "plots" / "metrics" / "loss.tsv", sep="\t")
+    assert loss["step"].tolist() == [2, 4, 6, 8]
+
+
+@pytest.mark.slow
+def test_changed_code_version_refuses_to_resume_and_restart_starts_over(tmp_path, prepared, monkeypatch):
+    from ddpmrepro import checkpoint as C
+    from ddpmrepro import train as T
+
+    params = P.load(write_params(tmp_path / "p.yaml", train={"steps": 4}))
+    paths = T.TrainPaths(prepared, tmp_path / "m", tmp_path / "l", tmp_path / "i", tmp_path / "c")
+    T.train(params, paths)
+    monkeypatch.setattr(T, "code_version", lambda: "another-version")
+    with pytest.raises(C.CheckpointError, match="--restart"):
+        T.train(params, paths)
+    assert T.train(params, paths, restart=True)["step"] == 4
+
+
+@pytest.mark.slow
+def test_fp16_overflow_step_is_skipped_and_lowers_the_scale(tmp_path, prepared, monkeypatch):
+    from ddpmrepro import train as T
+
+    real = T.diffusion_from_params
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        diffusion = real(*args, **kwargs)
+        clean = diffusion.training_losses
+
+        def training_losses(*a, **k):
+            out = clean(*a, **k)
+            calls["n"] += 1
+            if calls["n"] == 3:  # the third step overflows
+                out = {**out, "loss": out["loss"] * float("inf")}
+            return out
+        diffusion.training_losses = training_losses
+        return diffusion
+
+    monkeypatch.setattr(T, "diffusion_from_params", poisoned)
+    params = P.load(write_params(tmp_path / "p.yaml", train={"steps": 4, "precision": "fp16",
+                                                               "timestep_sampler": "uniform"},
+                                 introspect={"every": 1}))
+    paths = T.TrainPaths(prepared, tmp_path / "m", tmp_path / "l", tmp_path / "i", tmp_path / "c")
+    T.train(params, paths)
+    state = load_checkpoint(latest_checkpoint(next((tmp_path / "c").iterdir())))
+    assert state["skipped_steps"] == 1
+    assert state["scaler"]["scale"] == 65536.0 / 2
+    import pandas as pd
+
+    steps = pd.read_parquet(tmp_path / "i" / "steps").sort_values("step")
+    assert steps["skipped"].tolist() == [False, False, True, False]
+    assert steps["loss_scale"].tolist() == [65536.0, 65536.0, 65536.0, 32768.0]
+
+
+def test_lr_schedule():
+    from ddpmrepro.train import lr_at
+
+    p = P.TrainParams(lr=1.0, warmup_steps=4, steps=14, anneal="linear")
+    assert [lr_at(s, p) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, p) == 1.0 and lr_at(9, p) == 0.5 and lr_at(14, p) == 0.0
+    assert lr_at(100, P.TrainParams(lr=2.0, warmup_steps=0, anneal="none")) == 2.0
