@@ -1,0 +1,156 @@
+"""Sampling: N images per class from the EMA weights, reproducible per image seed.
+
+Image k (class k // per_class) draws all its noise from its own generator seeded by
+(sample.seed, k), so it is the same whatever the batch size or the number of processes.
+Under torchrun, rank r makes images r, r + W, r + 2W, ...; rank 0 gathers them in order.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checkpoint as ckpt
+from . import distributed as D
+from .data import to_uint8
+from .diffusion import from_params as diffusion_from_params
+from .diffusion import guided_model_fn
+from .params import Params, SampleParams, from_dict
+from .unet import build_unet
+
+
+def load_model(model_dir: Path, ema_rate: float, device="cpu"):
+    """The trained UNet with the chosen EMA weights (rate 0: the raw weights), and its config."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.exists():
+        raise ckpt.CheckpointError(f"{config_path}: not found; train first (`dvc repro train`)")
+    config = json.loads(config_path.read_text())
+    trained = from_dict(config["params"])
+    if ema_rate and ema_rate not in [float(r) for r in config["ema_rates"]]:
+        raise ckpt.CheckpointError(f"sample.ema_rate={ema_rate:g} was not trained; available: "
+                                   f"{', '.join(f'{float(r):g}' for r in config['ema_rates'])} (or 0 for raw weights)")
+    name = ckpt.ema_filename(ema_rate) if ema_rate else "model.safetensors"
+    data = config["data"]
+    model = build_unet(trained.model, image_size=data["image_size"], in_channels=data["channels"],
+                       num_classes=data["num_classes"], learn_sigma=trained.diffusion.variance == "learned_range")
+    state = ckpt.load_weights(Path(model_dir) / name)
+    missing = set(model.state_dict()) ^ set(state)
+    if missing:
+        raise ckpt.CheckpointError(f"{model_dir / name}: tensors do not match the architecture in config.json "
+                                   f"(e.g. {sorted(missing)[0]}); retrain or restore the model directory")
+    model.load_state_dict(state)
+    return model.to(device).eval(), trained, config
+
+
+def image_seed(base: int, k: int) -> int:
+    return (base * 1_000_003 + k) % (2**63 - 1)
+
+
+@torch.no_grad()
+def generate(model, diffusion, labels: torch.Tensor, seeds: list[int], p: SampleParams, num_classes: int,
+             shape: tuple[int, int, int], device, progress=None) -> torch.Tensor:
+    """uint8 images (B, C, H, W) for these labels, each from its own seeded generator."""
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    model_fn = guided_model_fn(model, labels.to(device), p.guidance, num_classes)
+    run = diffusion.ddim_sample if p.sampler == "ddim" else diffusion.ddpm_sample
+    kwargs = {"eta": p.eta} if p.sampler == "ddim" else {}
+    x = run(model_fn, (len(labels), *shape), generators=gens, progress=progress, device=device, **kwargs)
+    return to_uint8(x.cpu())
+
+
+def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
+    p = params.sample
+    device = torch.device("cuda", D.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    D.init(device.type)
+    rank, world = D.rank(), D.world_size()
+    model, trained, config = load_model(model_dir, p.ema_rate, device)
+    data = config["data"]
+    respacing = p.respacing if p.sampler == "ddim" or p.respacing else ""
+    diffusion = diffusion_from_params(trained.diffusion, respacing=respacing)
+    num_classes, shape = data["num_classes"], (data["channels"], data["image_size"], data["image_size"])
+
+    n = num_classes * p.per_class
+    mine = list(range(rank, n, world))
+    images = torch.empty(len(mine), *shape, dtype=torch.uint8)
+    bar = _bar(D.is_main(), len(mine))
+    for start in range(0, len(mine), p.batch_size):
+        ks = mine[start:start + p.batch_size]
+        labels = torch.tensor([k // p.per_class for k in ks])
+        images[start:start + len(ks)] = generate(model, diffusion, labels, [image_seed(p.seed, k) for k in ks],
+                                                 p, num_classes, shape, device)
+        bar(len(ks))
+
+    # Gather shards through the filesystem (works with gloo and NCCL alike), then write atomically.
+    shard_dir = out_dir.with_name(f".{out_dir.name}.shards")
+    if world > 1:
+        if D.is_main():
+            shutil.rmtree(shard_dir, ignore_errors=True)
+        D.barrier()
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"k": torch.tensor(mine), "images": images}, shard_dir / f"rank{rank}.pt")
+        D.barrier()
+    if D.is_main():
+        all_images = torch.empty(n, *shape, dtype=torch.uint8)
+        if world > 1:
+            for r in range(world):
+                shard = torch.load(shard_dir / f"rank{r}.pt", weights_only=True)
+                all_images[shard["k"]] = shard["images"]
+            shutil.rmtree(shard_dir)
+        else:
+            all_images[mine] = images
+        labels = np.arange(n) // p.per_class
+        seeds = np.array([image_seed(p.seed, k) for k in range(n)], dtype=np.int64)
+        write_samples(out_dir, all_images.numpy(), labels, seeds, data["class_names"], params)
+    D.barrier()
+    return out_dir / "samples.npz"
+
+
+def write_samples(out_dir: Path, images: np.ndarray, labels: np.ndarray, seeds: np.ndarray, class_names,
+                  params: Params) -> None:
+    """samples.npz + grid.png + params.yaml, swapped into place together."""
+    from .params import save_resolved
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    buf = io.BytesIO()
+    np.savez(buf, images=images, labels=labels.astype(np.int64), seeds=seeds)
+    ckpt.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
+    save_grid(images, labels, class_names, tmp / "grid.png")
+    save_resolved(params, tmp / "params.yaml", sections=("sample",))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def save_grid(images: np.ndarray, labels: np.ndarray, class_names, path: Path, per_row: int = 10) -> None:
+    """One row per class, the first `per_row` samples of each, upscaled for viewing."""
+    from PIL import Image
+
+    n_cls = int(labels.max()) + 1
+    c, h, w = images.shape[1:]
+    grid = np.zeros((n_cls * (h + 1), per_row * (w + 1), c), dtype=np.uint8)
+    for cls in range(n_cls):
+        for j, img in enumerate(images[labels == cls][:per_row]):
+            grid[cls * (h + 1):cls * (h + 1) + h, j * (w + 1):j * (w + 1) + w] = img.transpose(1, 2, 0)
+    scale = max(1, 256 // grid.shape[0])
+    mode = "L" if c == 1 else "RGB"
+    im = Image.fromarray(grid[..., 0] if c == 1 else grid, mode=mode)
+    im.resize((im.width * scale, im.height * scale), Image.NEAREST).save(path)
+
+
+def _bar(main: bool, total: int):
+    import sys
+
+    if not main or not sys.stderr.isatty():
+        return lambda n: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="sample", dynamic_ncols=True)
+    return bar.update
+
