@@ -206,3 +206,15 @@ def test_lr_schedule():
     assert [lr_at(s, p) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_at(4, p) == 1.0 and lr_at(9, p) == 0.5 and lr_at(14, p) == 0.0
     assert lr_at(100, P.TrainParams(lr=2.0, warmup_steps=0, anneal="none")) == 2.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_cuda_mixed_precision_trains_and_exports(tmp_path, prepared, precision):
+    from ddpmrepro import train as T
+
+    params = P.load(write_params(tmp_path / "p.yaml", train={"steps": 6, "device": "cuda", "precision": precision}))
+    paths = T.TrainPaths(prepared, tmp_path / "m", tmp_path / "l", tmp_path / "i", tmp_path / "c")
+    summary = T.train(params, paths)
+    assert summary["step"] == 6 and summary["loss"] == summary["loss"]  # finite, not NaN
+    assert all(torch.isfinite(v).all() for v in load_weights(tmp_path / "m" / "model.safetensors").values())

@@ -1,0 +1,37 @@
+# Two commands on a fresh clone (see README):
+#   make repro   install, then run the whole pipeline on the default params.yaml through DVC
+#   make test    install, then run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+export DVC_NO_ANALYTICS := 1
+export PYTHONPATH := $(CURDIR)/src
+
+.PHONY: setup repro snakemake test test-fast lock clean
+
+$(BIN)/ddpmrepro: pyproject.toml requirements.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements.lock -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/ddpmrepro
+
+repro: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc metrics show
+
+snakemake: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --cores all
+
+test: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q
+
+test-fast: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow"
+
+lock:
+	$(BIN)/pip freeze --exclude-editable | { echo "# Pinned versions for reproducible installs: \`pip install -c requirements.lock -e .[dev]\`."; echo "# Regenerate with \`make lock\` after changing dependencies in pyproject.toml."; cat; } > requirements.lock
+
+clean:
+	rm -rf .snakemake logs checkpoints

@@ -1,0 +1,30 @@
+# ddpmrepro as a Snakemake workflow: the table of contents.
+#
+# The rules are generated from dvc.yaml (workflow/rules/dvc_stages.smk); every job runs
+# `dvc --wait-for-lock repro --single-item STAGE`, so DVC decides what is stale and records
+# the results, and Snakemake schedules them within `--resources gpu=N` or on SLURM.
+#   snakemake --cores all --resources gpu=4
+#   snakemake --workflow-profile profiles/slurm
+import yaml
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "params.yaml"
+
+
+# DVC reads params.yaml itself: a --config override would make the two tools disagree.
+with open("params.yaml") as _f:
+    if config != yaml.safe_load(_f):
+        raise ValueError("Edit params.yaml (or use `dvc exp run -S key=value`) instead of --config overrides")
+
+
+include: "workflow/rules/dvc_stages.smk"
+
+
+# `rule all` lives here: a default target set inside an included file is dropped.
+rule all:
+    default_target: True
+    input:
+        [o.path for st in STAGES for o in st.outs if not o.persist],

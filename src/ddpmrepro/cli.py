@@ -1,0 +1,250 @@
+"""`ddpmrepro`: one thin command per pipeline stage.
+
+Paths are options (their defaults are the paths in dvc.yaml); tunables come from params.yaml.
+A user error (bad params, missing or corrupt data, a broken checkpoint) prints one line and
+exits non-zero (2 for params.yaml, 1 otherwise) before anything is written.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from . import params as P
+
+PARAMS_OPTION = click.option("--params", "params_path", default="params.yaml", show_default=True,
+                             type=click.Path(dir_okay=False, path_type=Path), help="The params file to read.")
+
+
+def _load_params(path: Path) -> P.Params:
+    try:
+        return P.load(path)
+    except P.ParamsError as e:
+        raise click.UsageError(f"{path}: {e}" if not str(e).startswith(str(path)) else str(e)) from None
+
+
+def user_errors(fn):
+    """Turns the library's user-facing errors into one clear line and a non-zero exit."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from .checkpoint import CheckpointError
+        from .data import DataError
+
+        try:
+            return fn(*args, **kwargs)
+        except (DataError, CheckpointError, FloatingPointError, ValueError, RuntimeError, FileNotFoundError) as e:
+            if os.environ.get("DDPMREPRO_DEBUG"):
+                raise
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise click.ClickException(msg) from None
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="ddpmrepro")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def main(verbose: bool) -> None:
+    """Reproducible class-conditional DDPM/IDDPM with gradient introspection.
+
+    Stages, in pipeline order: prepare, fit-evaluator, train, sample, evaluate, report.
+    Run them all with `dvc repro` or `snakemake --cores all`; each reads params.yaml.
+    """
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+@main.command()
+@PARAMS_OPTION
+@click.option("--out", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
+@user_errors
+def prepare(params_path: Path, out: Path) -> None:
+    """Turn the dataset into the versioned training format.
+
+    \b
+    Reads:  params `data.*`; the source files under data.root (none for digits).
+    Writes: OUT/train.npz, OUT/test.npz (uint8 images, int64 labels), OUT/manifest.json
+            (class names, counts, sha256 of each file, the data params used).
+    """
+    from .data import prepare as run
+
+    manifest = run(_load_params(params_path).data, out)
+    counts = manifest["counts"]
+    click.echo(f"prepared {manifest['source']}: {sum(counts['train'])} train / {sum(counts['test'])} test images, "
+               f"{manifest['num_classes']} classes -> {out}")
+
+
+@main.command("fit-evaluator")
+@PARAMS_OPTION
+@click.option("--data", "data_dir", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
+@click.option("--out", default="models/evaluator", show_default=True, type=click.Path(path_type=Path))
+@user_errors
+def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
+    """Train the evaluator classifier on the real training split.
+
+    \b
+    Reads:  params `evaluator.*`; DATA (prepared arrays).
+    Writes: OUT/model.safetensors, OUT/config.json, OUT/metrics.json (its test accuracy).
+    """
+    from .data import load_prepared
+    from .evaluator import fit_evaluator as run
+
+    params = _load_params(params_path)
+    d = load_prepared(data_dir)
+    m = run(d.train_images, d.train_labels, d.test_images, d.test_labels, params.evaluator, out,
+            num_classes=d.manifest["num_classes"], class_names=d.manifest["class_names"])
+    click.echo(f"evaluator test accuracy {m['test_accuracy']:.4f} -> {out}")
+
+
+@main.command()
+@PARAMS_OPTION
+@click.option("--data", "data_dir", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
+@click.option("--out", default="models/ddpm", show_default=True, type=click.Path(path_type=Path),
+              help="Final weights (safetensors) and config.json.")
+@click.option("--live", "live_dir", default="reports/train/live", show_default=True, type=click.Path(path_type=Path))
+@click.option("--introspect", "introspect_dir", default="reports/introspect", show_default=True,
+              type=click.Path(path_type=Path))
+@click.option("--checkpoints", "checkpoint_root", default="checkpoints", show_default=True,
+              type=click.Path(path_type=Path), help="Resumable state (not a DVC output).")
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Processes (GPUs) per node; overrides train.nproc.")
+@click.option("--restart", is_flag=True, help="Ignore existing checkpoints of this run and start from step 0.")
+@user_errors
+def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspect_dir: Path,
+          checkpoint_root: Path, nproc: int | None, restart: bool) -> None:
+    """Train the conditional UNet (torchrun DDP when nproc > 1).
+
+    \b
+    Reads:  params `data.*`, `model.*`, `diffusion.*`, `train.*`, `introspect.*`; DATA.
+    Writes: OUT/{model,ema_<rate>}.safetensors + config.json; LIVE (dvclive metrics and
+            per-step plots); INTROSPECT (gradient tables); CHECKPOINTS/<run-hash>/ (resumable).
+    Resumes from the last checkpoint of the same run (params, data and code); Ctrl-C or
+    SIGTERM saves a checkpoint at the next step boundary.
+    """
+    from . import distributed as D
+    from . import launch
+
+    params = _load_params(params_path)
+    nproc = nproc or params.train.nproc
+    if not D.in_launch():
+        _check_devices(params.train.device, nproc)
+        if launch.slurm_nodes() > 1:
+            raise SystemExit(launch.run_launcher(launch.srun_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ))))
+        if nproc > 1:
+            raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]))))
+    from .train import TrainPaths
+    from .train import train as run
+
+    summary = run(params, TrainPaths(data_dir, out, live_dir, introspect_dir, checkpoint_root), restart=restart)
+    if D.is_main() and summary:
+        click.echo(f"trained {summary['step']} steps, final loss {summary['loss']:.4f} -> {out}")
+
+
+def _check_devices(device: str, nproc: int) -> None:
+    import torch
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        have = torch.cuda.device_count()
+        if nproc > have:
+            raise click.ClickException(f"train.nproc={nproc} processes need {nproc} GPUs but {have} are visible; "
+                                       "lower train.nproc or set CUDA_VISIBLE_DEVICES")
+
+
+@main.command()
+@PARAMS_OPTION
+@click.option("--model", "model_dir", default="models/ddpm", show_default=True, type=click.Path(path_type=Path))
+@click.option("--out", default="samples", show_default=True, type=click.Path(path_type=Path))
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help="Overrides sample.nproc.")
+@user_errors
+def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> None:
+    """Generate sample.per_class images per class from the EMA weights.
+
+    \b
+    Reads:  params `sample.*`; MODEL (weights + config.json).
+    Writes: OUT/samples.npz (uint8 images, labels, seeds), OUT/grid.png (one row per class).
+    Image k depends only on (sample.seed, k): not on batch size or process count.
+    """
+    from . import distributed as D
+    from . import launch
+    from .sample import sample as run
+
+    params = _load_params(params_path)
+    nproc = nproc or params.sample.nproc
+    if nproc > 1 and not D.in_launch():
+        raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]))))
+    path = run(params, model_dir, out)
+    if D.is_main():
+        click.echo(f"wrote {path}")
+
+
+@main.command()
+@PARAMS_OPTION
+@click.option("--samples", "samples_dir", default="samples", show_default=True, type=click.Path(path_type=Path))
+@click.option("--data", "data_dir", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
+@click.option("--evaluator", "evaluator_dir", default="models/evaluator", show_default=True,
+              type=click.Path(path_type=Path))
+@click.option("--model", "model_dir", default="models/ddpm", show_default=True, type=click.Path(path_type=Path))
+@click.option("--out", default="metrics.json", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
+@user_errors
+def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir: Path, model_dir: Path,
+             out: Path) -> None:
+    """Score the samples: class accuracy, FID/KID/precision/recall (global and per class,
+    with a real-vs-real floor), optional Inception metrics, test bits/dim.
+
+    \b
+    Reads:  params `evaluate.*`, `sample.ema_rate`; SAMPLES, DATA, EVALUATOR, MODEL.
+    Writes: OUT (flat keys, the columns of `dvc exp show`).
+    """
+    from .evaluate import evaluate as run
+
+    metrics = run(_load_params(params_path), samples_dir, data_dir, evaluator_dir, model_dir, out)
+    click.echo(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()
+                        if k in ("class_accuracy", "fid", "recall", "bpd", "evaluator_test_accuracy")))
+
+
+@main.command()
+@PARAMS_OPTION
+@click.option("--introspect", "introspect_dir", default="reports/introspect", show_default=True,
+              type=click.Path(path_type=Path))
+@click.option("--live", "live_dir", default="reports/train/live", show_default=True, type=click.Path(path_type=Path))
+@click.option("--out", default="reports/figures", show_default=True, type=click.Path(path_type=Path))
+@user_errors
+def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -> None:
+    """Draw the gradient and training figures.
+
+    \b
+    Reads:  params `report.*`; INTROSPECT tables, LIVE metrics.
+    Writes: OUT/*.png (grad-norm heatmaps for parameters and activations, top-k layer
+            lines, total norm vs clip threshold, loss curves).
+    """
+    from .report import make_report
+
+    paths = make_report(introspect_dir, live_dir, out, _load_params(params_path).report)
+    click.echo(f"wrote {len(paths)} figures -> {out}")
+
+
+@main.command()
+@PARAMS_OPTION
+@click.option("--presets", is_flag=True, help="List the model presets and their parameter counts.")
+def info(params_path: Path, presets: bool) -> None:
+    """Print versions, devices and the resolved params."""
+    import torch
+    import yaml
+
+    from . import __version__
+
+    click.echo(f"ddpmrepro {__version__}, torch {torch.__version__}, cuda devices: {torch.cuda.device_count()}")
+    if presets:
+        from .unet import PRESETS
+
+        for name, kw in PRESETS.items():
+            click.echo(f"{name}: {kw}")
+        return
+    click.echo(yaml.safe_dump(_load_params(params_path).to_dict(), sort_keys=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+# One rule per DVC stage; the job delegates to `dvc repro --single-item`.
+# At parse time the main process asks DVC which stages it would run (`dvc status` plus
+# everything downstream) and rewrites a stamp input for each; the inputs of all other stages
+# are ancient(), and the profile sets `rerun-triggers: [mtime]`. So Snakemake runs exactly
+# what DVC would run, after a fresh clone, a `dvc checkout` or a `dvc exp apply` alike.
+import json
+import os
+import time
+from pathlib import Path
+
+from ddpmrepro.pipeline.dvc_bridge import expand_source_dir, load_stages, stages_to_run
+
+STAGES = load_stages(".")
+PRODUCED = {o.path for st in STAGES for o in st.outs}
+STAMP_DIR = Path(".snakemake/dvc-stamps")  # inside .snakemake/: git- and dvc-ignored
+
+
+def sync_stamps():
+    will_run = stages_to_run(".")
+    STAMP_DIR.mkdir(parents=True, exist_ok=True)
+    for st in STAGES:
+        stamp = STAMP_DIR / f"{st.rule}.stamp"
+        if st.name in will_run:
+            # New content, not just a new mtime: Snakemake ignores a newer input whose
+            # checksum it has already recorded.
+            stamp.write_text(json.dumps({"why": will_run[st.name], "t": time.time()}, default=str))
+        elif not stamp.exists():
+            stamp.write_text("{}")
+            os.utime(stamp, (0, 0))
+    return set(will_run)
+
+
+# Cluster job steps re-parse this file: only the main process asks DVC.
+WILL_RUN = sync_stamps() if workflow.is_main_process else {st.name for st in STAGES}
+
+
+def stage_inputs(st):
+    files = [f for d in st.deps for f in expand_source_dir(d, PRODUCED)]
+    if st.name not in WILL_RUN:
+        # Up to date for DVC: mtimes (reordered by dvc checkout/pull) must not trigger it.
+        # Only on stages that will not run: Snakemake does not propagate a rerun through
+        # an edge whose inputs are all ancient.
+        files = [ancient(f) for f in files]
+    return files + [str(STAMP_DIR / f"{st.rule}.stamp")]
+
+
+def stage_outputs(st):
+    outs = []
+    for o in st.outs:
+        if o.persist:
+            continue
+        if o.is_dir:
+            outs.append(directory(o.path))
+        elif o.kind in ("metrics", "plots"):
+            outs.append(report(o.path, category=o.kind, subcategory=st.name))
+        else:
+            outs.append(o.path)
+    return outs
+
+
+for st in STAGES:
+
+    rule:
+        name:
+            st.rule
+        input:
+            stage_inputs(st),
+        output:
+            stage_outputs(st),
+        params:
+            stage=st.name,  # bound now: a loop variable read in shell: would be the last stage
+        threads: st.threads
+        resources:
+            **st.resources,
+        log:
+            f"logs/dvc/{st.rule}.log",
+        shell:
+            "dvc --wait-for-lock repro --single-item {params.stage:q} > {log} 2>&1"
