@@ -20,11 +20,17 @@ PARAMS_OPTION = click.option("--params", "params_path", default="params.yaml", s
                              type=click.Path(dir_okay=False, path_type=Path), help="The params file to read.")
 
 
+class ParamsFileError(click.ClickException):
+    """A bad params.yaml: one line, exit code 2 (like a usage error), before anything is written."""
+
+    exit_code = 2
+
+
 def _load_params(path: Path) -> P.Params:
     try:
         return P.load(path)
     except P.ParamsError as e:
-        raise click.UsageError(f"{path}: {e}" if not str(e).startswith(str(path)) else str(e)) from None
+        raise ParamsFileError(f"{path}: {e}" if not str(e).startswith(str(path)) else str(e)) from None
 
 
 def user_errors(fn):

@@ -96,6 +96,7 @@ class IntrospectParams:
     every: int = _f(25, min=0)
     steps: list[int] = _f([1])
     params: list[str] = _f(["*"])
+    update_ratio: bool = _f(True)
     modules: list[str] = _f(["input_blocks.*", "middle_block", "output_blocks.*", "out"])
     histogram_bins: int = _f(0, min=0, max=1024)
     dump_steps: list[int] = _f([])

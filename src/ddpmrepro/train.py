@@ -230,7 +230,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             return x0, y, t, weights, noise
 
         # Introspection and logging live on rank 0 (activation stats are reduced over ranks).
-        grad_rec = introspect.ParamGradRecorder(raw_model.named_parameters(), params.introspect.params)
+        grad_rec = introspect.ParamGradRecorder(raw_model.named_parameters(), params.introspect.params,
+                                                update_ratio=params.introspect.update_ratio)
         act_rec = introspect.ActivationGradRecorder(
             raw_model, params.introspect.modules, histogram_bins=params.introspect.histogram_bins,
             dump_steps=params.introspect.dump_steps, dump_modules=params.introspect.dump_modules,
