@@ -17,16 +17,7 @@ from ddpmrepro.params import EvaluatorParams
 CLASS_NAMES = [str(i) for i in range(10)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors on a shared 2-core CPU: spinning OpenMP/BLAS threads cost far more than they give."""
-    from threadpoolctl import threadpool_limits
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(1):
-        yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def digits_split():

@@ -14,16 +14,7 @@ from ddpmrepro.evaluator import fit_evaluator, load_evaluator
 from ddpmrepro.params import EvaluatorParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors on a shared 2-core CPU: spinning OpenMP/BLAS threads cost far more than they give."""
-    from threadpoolctl import threadpool_limits
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(1):
-        yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _random_cov(rng, d, n=None):

@@ -13,7 +13,6 @@ Layout of an evaluator folder (written atomically by `fit_evaluator`):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .params import EvaluatorParams
+from .checkpoint import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ def _write_atomic(out_dir: Path, net: nn.Module, config: dict, metrics: dict) ->
     try:
         state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = {**config, "model_sha256": _sha256(tmp / "model.safetensors")}
+        config = {**config, "model_sha256": sha256_file(tmp / "model.safetensors")}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         for f in tmp.iterdir():
@@ -247,14 +247,6 @@ def _write_atomic(out_dir: Path, net: nn.Module, config: dict, metrics: dict) ->
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --- loading and inference --------------------------------------------------------------------
@@ -321,7 +313,7 @@ def load_evaluator(directory: str | Path, device: str | torch.device = "cpu") ->
     if config.get("format_version") != FORMAT_VERSION:
         raise EvaluatorError(f"{cfg_path}: format_version {config.get('format_version')!r} != {FORMAT_VERSION}; {fix}")
     expected_sha = config.get("model_sha256")
-    if expected_sha and _sha256(model_path) != expected_sha:
+    if expected_sha and sha256_file(model_path) != expected_sha:
         raise EvaluatorError(f"{model_path}: sha256 does not match config.json (corrupt or replaced file); {fix}")
     try:
         state = load_file(model_path)

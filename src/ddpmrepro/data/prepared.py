@@ -20,6 +20,7 @@ import torch
 
 from ddpmrepro.data.sources import HFLIP_OK, READERS, DataError, Raw
 from ddpmrepro.params import DataParams
+from ddpmrepro.checkpoint import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def prepare(params: DataParams, out_dir: str | Path) -> dict:
         for split, idx in splits.items():
             name = f"{split}.npz"
             write_npz(tmp / name, images=raw.images[idx], labels=raw.labels[idx])
-            files[name] = file_sha256(tmp / name)
+            files[name] = sha256_file(tmp / name)
         manifest = _manifest(params, raw, files, {s: np.bincount(raw.labels[i], minlength=k).tolist()
                                                    for s, i in splits.items()},
                              "official" if raw.is_test is not None else "stratified")
@@ -183,14 +184,6 @@ def _swap_into_place(tmp: Path, out_dir: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --- load_prepared --------------------------------------------------------------------------------
