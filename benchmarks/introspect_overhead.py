@@ -9,6 +9,7 @@ Modes, timed interleaved (mode A block, mode B block, ... repeated) and compared
   none    the same model with the activation hooks removed
   off     recorders attached but never armed (the cost on steps that are not logged)
   params  ParamGradRecorder + TableWriter every step (target <= 3 % over `none`)
+  params_noratio  the same without the update-ratio snapshot (introspect.update_ratio: false)
   acts    ActivationGradRecorder on the default module set + TableWriter every step (target <= 10 %)
   both    both every step
 Then the memory run: `both` every step for --mem-steps steps; peak RSS growth after warm-up
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from ddpmrepro.introspect import ActivationGradRecorder, ParamGradRecorder, TableWriter
 from ddpmrepro.params import IntrospectParams, ModelParams
 
-MODES = ("none", "off", "params", "acts", "both")
+MODES = ("none", "off", "params", "params_noratio", "acts", "both")
 
 
 def build_model(num_classes: int):
@@ -54,9 +55,10 @@ class Harness:
         self.y = torch.randint(0, num_classes, (batch,), generator=g)
         self.ip = ip = IntrospectParams()
         self.prm = ParamGradRecorder(self.model.named_parameters(), ip.params)
+        self.prm_noratio = ParamGradRecorder(self.model.named_parameters(), ip.params, update_ratio=False)
         self.act = ActivationGradRecorder(self.model, ip.modules, histogram_bins=ip.histogram_bins)
         self.hooked = True
-        self.writers = {m: TableWriter(out_dir / m, start_step=0) for m in ("params", "acts", "both")}
+        self.writers = {m: TableWriter(out_dir / m, start_step=0) for m in ("params", "params_noratio", "acts", "both")}
         self.n = 0
 
     def set_hooks(self, on: bool) -> None:
@@ -68,19 +70,20 @@ class Harness:
         self.hooked = on
 
     def step(self, mode: str) -> None:
-        params = mode in ("params", "both")
+        params = mode in ("params", "params_noratio", "both")
         acts = mode in ("acts", "both")
+        prm = self.prm_noratio if mode == "params_noratio" else self.prm
         if acts:
             self.act.arm(self.n)
         loss = F.mse_loss(self.model(self.x, self.t, self.y), self.noise)
         loss.backward()
         if params:
-            self.prm.capture(self.n)
+            prm.capture(self.n)
         total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if params or acts:
-            rows, summary = self.prm.finish(total_norm=total, clip_threshold=1.0) if params else (None, None)
+            rows, summary = prm.finish(total_norm=total, clip_threshold=1.0) if params else (None, None)
             self.writers[mode].add(self.n, params=rows, summary=summary, activations=self.act.collect() if acts else None)
         self.n += 1
 
