@@ -218,3 +218,23 @@ def test_cuda_mixed_precision_trains_and_exports(tmp_path, prepared, precision):
     summary = T.train(params, paths)
     assert summary["step"] == 6 and summary["loss"] == summary["loss"]  # finite, not NaN
     assert all(torch.isfinite(v).all() for v in load_weights(tmp_path / "m" / "model.safetensors").values())
+
+
+@pytest.mark.slow
+def test_recorded_grad_norms_are_measured_before_clipping(tmp_path, prepared):
+    # A threshold far below the gradient norm clips every step; the per-parameter norms must
+    # still combine to the unclipped global norm that clip_grad_norm_ returns.
+    import pandas as pd
+
+    from ddpmrepro import train as T
+
+    params = P.load(write_params(tmp_path / "p.yaml", train={"steps": 3, "grad_clip": 1e-4},
+                                 introspect={"every": 1}))
+    paths = T.TrainPaths(prepared, tmp_path / "m", tmp_path / "l", tmp_path / "i", tmp_path / "c")
+    T.train(params, paths)
+    steps = pd.read_parquet(tmp_path / "i" / "steps").sort_values("step")
+    assert steps["clipped"].all()
+    assert (steps["total_grad_norm"] > 100 * 1e-4).all()
+    grads = pd.read_parquet(tmp_path / "i" / "param_grads")
+    from_rows = grads.groupby("step")["grad_norm"].apply(lambda g: float((g**2).sum() ** 0.5))
+    assert from_rows.values == pytest.approx(steps["total_grad_norm"].values, rel=1e-5)

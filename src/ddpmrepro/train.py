@@ -158,9 +158,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     # Data: the prepared arrays, verified against the manifest, held in memory.
     data = load_prepared(paths.data_dir)
     manifest = data.manifest
-    images = data.train_images  # (N, C, H, W) uint8
+    images = torch.as_tensor(data.train_images)  # (N, C, H, W) uint8
     labels = torch.as_tensor(data.train_labels, dtype=torch.long)
-    images = torch.as_tensor(images)
     num_classes = manifest["num_classes"]
     hflip = bool(manifest.get("hflip_ok", False))
 
@@ -259,8 +258,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             writer = introspect.TableWriter(work_tables, start_step=start_step)
 
         # Running sums for the log line, kept on the device (no host sync between log steps).
-        stats = torch.zeros(8, dtype=torch.float64, device=device)  # loss, mse, vb, n, q-loss sums x4 after
-        quart = torch.zeros(2, 4, dtype=torch.float64, device=device)
+        stats = torch.zeros(4, dtype=torch.float64, device=device)  # sums of loss, mse, vb; count
+        quart = torch.zeros(2, 4, dtype=torch.float64, device=device)  # loss sum, count per t quartile
         nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         t_last, imgs_since = time.perf_counter(), 0
         progress = _progress(main, start_step, p.steps)
@@ -268,8 +267,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
 
         with StopRequest() as stop, act_rec:
             for step in range(start_step, p.steps):
-                # Dropout masks of this step: from (seed, step, rank).
-                torch.manual_seed(step_seed(p.seed, step, rank, 0))  # dropout masks
+                # Dropout masks of this step come from (seed, step, rank).
+                torch.manual_seed(step_seed(p.seed, step, rank, 0))
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, p)
                 recording = (params.introspect.every and step % params.introspect.every == 0) or step in record_steps
@@ -295,7 +294,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     if p.timestep_sampler != "uniform":
                         sampler.update(*gather_for_sampler(t, losses["loss"]))
                     with torch.no_grad():
-                        stats[:4] += torch.stack([losses["loss"].sum(), losses["mse"].sum(), losses["vb"].sum(),
+                        stats += torch.stack([losses["loss"].sum(), losses["mse"].sum(), losses["vb"].sum(),
                                                   torch.tensor(float(len(t)), device=device)]).double()
                         q = (t * 4 // diffusion.num_timesteps).clamp(max=3)
                         quart[0].index_add_(0, q, losses["loss"].detach().double())
@@ -303,11 +302,11 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
 
                 # Unscale, measure, clip, step; an fp16 overflow step is skipped by the scaler.
                 scaler.unscale_(opt)
+                if recording and main:
+                    grad_rec.capture(step)  # after all-reduce and unscale; before clipping, which scales in place
                 clip = p.grad_clip if p.grad_clip > 0 else math.inf
                 total_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
                 nonfinite |= ~torch.isfinite(total_norm) & (not scaler.is_enabled())
-                if recording and main:
-                    grad_rec.capture(step)  # after all-reduce and unscale, before clipping (in place)
                 scaler.step(opt)
                 scaler.update()
                 skipped = scaler.is_enabled() and scaler.get_scale() < loss_scale
