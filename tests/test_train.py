@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -127,8 +126,17 @@ def kill_after_checkpoint(run_dir: Path, data: Path, params: Path, nproc: int, s
             break
         time.sleep(0.05)
     assert proc.poll() is None, "training finished before it could be killed: " + proc.stderr.read().decode()[-2000:]
-    os.killpg(proc.pid, signal.SIGKILL)
+    # Kill the launcher and all its descendants at once (what a cgroup kill does).
+    import psutil
+
+    family = psutil.Process(proc.pid).children(recursive=True)
+    for p in [psutil.Process(proc.pid), *family]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     proc.wait()
+    psutil.wait_procs(family, timeout=30)
     assert not (run_dir / "model").exists()
 
 

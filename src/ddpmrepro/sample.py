@@ -70,8 +70,8 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     rank, world = D.rank(), D.world_size()
     model, trained, config = load_model(model_dir, p.ema_rate, device)
     data = config["data"]
-    respacing = p.respacing if p.sampler == "ddim" or p.respacing else ""
-    diffusion = diffusion_from_params(trained.diffusion, respacing=respacing)
+    # Respacing applies to both samplers (IDDPM samples DDPM on respaced steps too).
+    diffusion = diffusion_from_params(trained.diffusion, respacing=p.respacing)
     num_classes, shape = data["num_classes"], (data["channels"], data["image_size"], data["image_size"])
 
     n = num_classes * p.per_class

@@ -1,0 +1,20 @@
+"""CI's short version of scripts/kill_train.py: random SIGKILLs, resume, bitwise-identical result."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kill_train.py"
+
+
+@pytest.mark.slow
+def test_random_kills_resume_to_the_same_bits(tmp_path):
+    spec = importlib.util.spec_from_file_location("kill_train", SCRIPT)
+    kill_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kill_train)
+    result = kill_train.main(kills=3, nproc=1, seed=1, workdir=tmp_path)
+    assert result["kills"] == 3 and result["launches"] == 4
+    # each kill came after training had passed its target step
+    assert all(at >= t for at, t in zip(result["last_checkpoint_at_each_kill"], result["kill_after_steps"]))
+    assert result["bitwise_identical"] is True
+    assert result["checkpoints_after"][-1] == result["steps"]
