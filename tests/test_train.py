@@ -246,3 +246,49 @@ def test_recorded_grad_norms_are_measured_before_clipping(tmp_path, prepared):
     grads = pd.read_parquet(tmp_path / "i" / "param_grads")
     from_rows = grads.groupby("step")["grad_norm"].apply(lambda g: float((g**2).sum() ** 0.5))
     assert from_rows.values == pytest.approx(steps["total_grad_norm"].values, rel=1e-5)
+
+
+FAILING_RANK_ENTRY = '''
+import os, sys
+import ddpmrepro.train as T
+
+if os.environ["RANK"] == "1":  # inject a failure into rank 1's third training step
+    real = T.diffusion_from_params
+
+    def broken(*args, **kwargs):
+        diffusion = real(*args, **kwargs)
+        clean, calls = diffusion.training_losses, [0]
+
+        def training_losses(*a, **k):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected failure on rank 1")
+            return clean(*a, **k)
+        diffusion.training_losses = training_losses
+        return diffusion
+    T.diffusion_from_params = broken
+
+from ddpmrepro.cli import main
+main()
+'''
+
+
+@pytest.mark.slow
+def test_one_rank_failing_ends_every_rank_and_says_which_and_why(tmp_path, prepared):
+    entry = tmp_path / "entry.py"
+    entry.write_text(FAILING_RANK_ENTRY)
+    params = write_params(tmp_path / "p.yaml", train={"nproc": 2, "batch_per_proc": 8})
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(entry),
+           *train_cmd(run, prepared, params, 2)[3:-2]]  # the same CLI arguments, without --nproc
+    started = time.time()
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert time.time() - started < 120  # no hang: the surviving rank is stopped too
+    assert "Error: injected failure on rank 1" in proc.stderr  # why (the failing rank's one line)
+    import re
+
+    root_cause = proc.stderr[proc.stderr.index("Root Cause"):]  # which (torchrun's failure summary)
+    assert re.search(r"^\s*rank\s*:\s*1 \(local_rank: 1\)", root_cause, re.M)
+    assert re.search(r"^\s*exitcode\s*:\s*1 ", root_cause, re.M)
+    assert not (run / "model").exists()  # nothing exported as if finished
