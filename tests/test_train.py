@@ -22,6 +22,18 @@ from ddpmrepro.checkpoint import latest_checkpoint, load_checkpoint, load_weight
 from ddpmrepro.data import prepare
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _load_kill_tree():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kill_train", SRC.parent / "scripts" / "kill_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kill_tree
+
+
+kill_tree = _load_kill_tree()
 # A small, fast configuration; dropout 0 so that masks (per-rank RNG) play no part.
 SMALL = {
     "model": {"channels": 16, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_resolutions": [4],
@@ -126,17 +138,7 @@ def kill_after_checkpoint(run_dir: Path, data: Path, params: Path, nproc: int, s
             break
         time.sleep(0.05)
     assert proc.poll() is None, "training finished before it could be killed: " + proc.stderr.read().decode()[-2000:]
-    # Kill the launcher and all its descendants at once (what a cgroup kill does).
-    import psutil
-
-    family = psutil.Process(proc.pid).children(recursive=True)
-    for p in [psutil.Process(proc.pid), *family]:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-    psutil.wait_procs(family, timeout=30)
+    kill_tree(proc)  # the launcher and all its workers at once, as a cgroup kill does
     assert not (run_dir / "model").exists()
 
 

@@ -44,15 +44,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_object(obj):
-    """Rank 0's object on every rank."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def comm_device() -> torch.device:
     """Where collective tensors must live: CUDA for NCCL, CPU for gloo."""
     if dist.is_initialized() and dist.get_backend() == "nccl":

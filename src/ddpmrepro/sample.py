@@ -107,6 +107,7 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
         seeds = np.array([image_seed(p.seed, k) for k in range(n)], dtype=np.int64)
         write_samples(out_dir, all_images.numpy(), labels, seeds, data["class_names"], params)
     D.barrier()
+    D.cleanup()
     return out_dir / "samples.npz"
 
 

@@ -242,7 +242,6 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             raw_model, params.introspect.modules, histogram_bins=params.introspect.histogram_bins,
             dump_steps=params.introspect.dump_steps, dump_modules=params.introspect.dump_modules,
             dump_max_mb=params.introspect.dump_max_mb, reduction="global")
-        record_steps = set(params.introspect.steps)
         # Tables and curves are written into the run directory while training (DVC deletes a
         # stage's outputs before rerunning it, so a resumed run would lose the rows written before
         # the kill); the export at the end copies them to the DVC outputs.
@@ -271,7 +270,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 torch.manual_seed(step_seed(p.seed, step, rank, 0))
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, p)
-                recording = (params.introspect.every and step % params.introspect.every == 0) or step in record_steps
+                recording = introspect.is_record_step(step, params.introspect.every, params.introspect.steps)
                 loss_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
                 if recording:
                     act_rec.arm(step, loss_scale=loss_scale)
@@ -385,6 +384,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             _replace_dir(work_live, paths.live_dir)
             _replace_dir(work_tables, paths.introspect_dir)
         D.barrier()
+    D.cleanup()
     return summary
 
 
