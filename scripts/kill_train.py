@@ -53,7 +53,7 @@ def env() -> dict:
 def verify_checkpoints(run: Path) -> list[int]:
     """Every complete checkpoint loads (raises otherwise); returns their steps."""
     steps = []
-    for d in (run / "ckpt").glob("*"):
+    for d in (run / "ckpt").glob("*/*"):  # <params+data hash>/<code version>
         for path in list_checkpoints(d):
             steps.append(load_checkpoint(path)["step"])
     return sorted(steps)
@@ -76,7 +76,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 def newest_step(run: Path) -> int:
     """The newest complete checkpoint's step, from file names only (no loading)."""
-    steps = [int(p.stem.split("_")[1]) for p in (run / "ckpt").glob("*/step_*.sha256")]
+    steps = [int(p.stem.split("_")[1]) for p in (run / "ckpt").glob("*/*/step_*.sha256")]
     return max(steps, default=0)
 
 

@@ -78,7 +78,7 @@ def run_train(run_dir: Path, data: Path, params: Path, nproc: int) -> None:
 
 
 def final_state(run_dir: Path) -> dict:
-    ckpt_dir = next((run_dir / "ckpt").iterdir())
+    (ckpt_dir,) = (run_dir / "ckpt").glob("*/*")  # <params+data hash>/<code version>
     state = load_checkpoint(latest_checkpoint(ckpt_dir))
     weights = load_weights(run_dir / "model" / "model.safetensors")
     emas = {r: load_weights(run_dir / "model" / f"ema_{r}.safetensors") for r in ("0.9", "0.99")}
@@ -134,7 +134,7 @@ def kill_after_checkpoint(run_dir: Path, data: Path, params: Path, nproc: int, s
                             stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if list((run_dir / "ckpt").glob(f"*/step_{step:09d}.sha256")):
+        if list((run_dir / "ckpt").glob(f"*/*/step_{step:09d}.sha256")):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "training finished before it could be killed: " + proc.stderr.read().decode()[-2000:]
@@ -160,17 +160,52 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path, prepared, nproc):
 
 
 @pytest.mark.slow
-def test_changed_code_version_refuses_to_resume_and_restart_starts_over(tmp_path, prepared, monkeypatch):
+def test_other_code_version_never_touches_a_checkpoint_and_an_interrupted_one_is_refused(tmp_path, prepared,
+                                                                                          monkeypatch):
     from ddpmrepro import checkpoint as C
     from ddpmrepro import train as T
 
-    params = P.load(write_params(tmp_path / "p.yaml", train={"steps": 4}))
+    # An interrupted run: its second checkpoint_every=4 window fails at step 6 of 8.
+    real, calls = T.diffusion_from_params, [0]
+
+    def failing(*args, **kwargs):
+        diffusion = real(*args, **kwargs)
+        clean = diffusion.training_losses
+
+        def training_losses(*a, **k):
+            calls[0] += 1
+            if calls[0] == 6:
+                raise RuntimeError("killed")
+            return clean(*a, **k)
+        diffusion.training_losses = training_losses
+        return diffusion
+
+    params = P.load(write_params(tmp_path / "p.yaml"))
     paths = T.TrainPaths(prepared, tmp_path / "m", tmp_path / "l", tmp_path / "i", tmp_path / "c")
-    T.train(params, paths)
+    monkeypatch.setattr(T, "diffusion_from_params", failing)
+    with pytest.raises(RuntimeError, match="killed"):
+        T.train(params, paths)
+    monkeypatch.setattr(T, "diffusion_from_params", real)
+    (old_dir,) = (tmp_path / "c").glob("*/*")
+    old_files = {f.name: f.read_bytes() for f in old_dir.iterdir() if f.is_file()}
+    assert "step_000000004.pt" in old_files
+
+    # New code: resuming would mix code versions, so it is refused with what to do.
     monkeypatch.setattr(T, "code_version", lambda: "another-version")
     with pytest.raises(C.CheckpointError, match="--restart"):
         T.train(params, paths)
-    assert T.train(params, paths, restart=True)["step"] == 4
+    # --restart starts over under the new code, in its own directory; the old one is untouched.
+    assert T.train(params, paths, restart=True)["step"] == 8
+    assert {f.name: f.read_bytes() for f in old_dir.iterdir() if f.is_file()} == old_files
+    # A finished run of other code does not block a later code version (what `dvc repro` needs).
+    monkeypatch.setattr(T, "code_version", lambda: "a-third-version")
+    with pytest.raises(C.CheckpointError):  # the interrupted run of the first code still blocks
+        T.train(params, paths)
+    import shutil
+
+    shutil.rmtree(old_dir)
+    assert T.train(params, paths)["step"] == 8
+    assert len(list((tmp_path / "c").glob("*/*"))) == 2
 
 
 @pytest.mark.slow
@@ -199,7 +234,8 @@ def test_fp16_overflow_step_is_skipped_and_lowers_the_scale(tmp_path, prepared, 
                                  introspect={"every": 1}))
     paths = T.TrainPaths(prepared, tmp_path / "m", tmp_path / "l", tmp_path / "i", tmp_path / "c")
     T.train(params, paths)
-    state = load_checkpoint(latest_checkpoint(next((tmp_path / "c").iterdir())))
+    (ckpt_dir,) = (tmp_path / "c").glob("*/*")
+    state = load_checkpoint(latest_checkpoint(ckpt_dir))
     assert state["skipped_steps"] == 1
     assert state["scaler"]["scale"] == 65536.0 / 2
     import pandas as pd

@@ -98,6 +98,11 @@ def load_checkpoint(path: Path) -> dict:
         raise CheckpointError(f"{path}: refused to load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint file, from its name (step_<N>.pt), without loading it."""
+    return int(STEP_FILE.match(Path(path).name).group(1))
+
+
 def latest_checkpoint(directory: Path) -> Path | None:
     ckpts = list_checkpoints(directory)
     return ckpts[-1] if ckpts else None

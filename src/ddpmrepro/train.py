@@ -176,10 +176,13 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps)
     ema_updates, skipped_steps, start_step = 0, 0, 0
 
-    # Resume from the newest checkpoint of this exact run (params + data + code).
+    # Resume from the newest checkpoint of this exact run: checkpoints/<params+data>/<code>/.
+    # Other code never touches that directory, so no finished checkpoint is ever overwritten.
     run_id = run_hash(params, manifest["files"]["train.npz"])
-    ckpt_dir = paths.checkpoint_root / run_id
     version = code_version()
+    ckpt_dir = paths.checkpoint_root / run_id / version
+    if not restart:
+        _refuse_interrupted_run_of_other_code(ckpt_dir, p.steps)
     lock = ckpt.RunLock(ckpt_dir) if main else contextlib.nullcontext()
     with lock:
         latest = None if restart else ckpt.latest_checkpoint(ckpt_dir)
@@ -386,6 +389,18 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         D.barrier()
     D.cleanup()
     return summary
+
+
+def _refuse_interrupted_run_of_other_code(ckpt_dir: Path, steps: int) -> None:
+    """An interrupted run of these params and data under other code can be neither resumed
+    (it would mix two versions of the code) nor silently abandoned: the user decides."""
+    for other in sorted(ckpt_dir.parent.glob("*")):
+        latest = ckpt.latest_checkpoint(other) if other != ckpt_dir and other.is_dir() else None
+        if latest is not None and ckpt.checkpoint_step(latest) < steps:
+            raise ckpt.CheckpointError(
+                f"{latest}: an interrupted run of these params under code version {other.name} (this code is "
+                f"{ckpt_dir.name}); rerun with `ddpmrepro train --restart` to start over with this code "
+                "(that checkpoint is kept), or restore that code to resume it")
 
 
 def _agree(flag: bool) -> bool:
