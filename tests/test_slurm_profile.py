@@ -1,0 +1,159 @@
+"""profiles/slurm: the sbatch lines that snakemake-executor-plugin-slurm builds for each stage.
+
+There is no SLURM here. Real Snakemake runs the real Snakefile with the real profile and plugin
+in a temporary git + DVC repo; only `sbatch` (records its arguments, then fails) and `sacctmgr`
+(lists the account) are stand-ins. The expected values come from dvc.yaml's `meta.snakemake`,
+params.yaml and the profile, read here with plain YAML. Nothing is submitted or run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = str(Path(sys.executable).parent)
+PROJECT_FILES = ["src", "dvc.yaml", "Snakefile", "workflow", "profiles", ".dvcignore", ".gitignore", "pyproject.toml",
+                 "params.yaml"]
+SBATCH = f"""#!{sys.executable}
+import json, os, sys
+with open(os.environ["FAKE_SBATCH_LOG"], "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+sys.exit("sbatch: error: a stand-in, not a cluster")
+"""
+MULTI_NODE = ["train:nodes=2", "train:tasks=2", "train:mpi=srun", "train:gres=gpu:4", "train:gpu=0",
+              "train:tasks_per_gpu=0"]  # the docs/CLUSTER.md recipe for 2 nodes x 4 GPUs
+
+pytestmark = pytest.mark.slow
+
+
+def run(repo: Path, *cmd: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(repo / "src"),
+           "DVC_NO_ANALYTICS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """The project with every stage's outputs present and recorded, so that changing a param makes
+    exactly the stages that read it runnable (placeholders: no stage ever runs here)."""
+    repo = tmp_path_factory.mktemp("slurm")
+    for name in PROJECT_FILES:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        else:
+            shutil.copy2(src, repo / name)
+    run(repo, "git", "init", "-q", "-b", "main")
+    run(repo, "dvc", "init", "-q")
+    place_outputs(repo)
+    run(repo, "dvc", "commit", "-f", "-q")
+    run(repo, "git", "add", "-A")
+    run(repo, "git", "commit", "-qm", "placeholders")
+    stubs = repo.parent / f"{repo.name}-bin"
+    stubs.mkdir()
+    (stubs / "sbatch").write_text(SBATCH)
+    (stubs / "sacctmgr").write_text("#!/bin/sh\necho your_account\n")
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    return repo
+
+
+def place_outputs(repo: Path) -> None:
+    """The same placeholder for every stage output, every time (so DVC sees them unchanged)."""
+    for stage in yaml.safe_load((repo / "dvc.yaml").read_text())["stages"].values():
+        dirs = set(stage.get("meta", {}).get("snakemake", {}).get("directories", []))
+        for kind in ("outs", "metrics", "plots"):
+            for out in stage.get(kind, []):
+                path = repo / (out if isinstance(out, str) else next(iter(out)))
+                if path.relative_to(repo).as_posix() in dirs:
+                    path.mkdir(parents=True, exist_ok=True)
+                    (path / "placeholder").write_text("x")
+                else:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text("{}")
+
+
+def submit(repo: Path, changes: dict, *extra: str) -> dict[str, list[str]]:
+    """sbatch's arguments per rule, for a Snakemake run after `changes` to params.yaml."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for key, value in changes.items():
+        section, name = key.split(".")
+        params[section][name] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.rmtree(repo / ".snakemake", ignore_errors=True)
+    place_outputs(repo)  # Snakemake deleted the outputs of the jobs it submitted last time
+    log = repo.parent / f"{repo.name}-sbatch.jsonl"
+    log.unlink(missing_ok=True)
+    stubs = repo.parent / f"{repo.name}-bin"
+    proc = run(repo, "snakemake", "--workflow-profile", "profiles/slurm", "--retries", "0", "--latency-wait", "0",
+               "--slurm-init-seconds-before-status-checks", "1", *extra, check=False,
+               env={"FAKE_SBATCH_LOG": str(log), "PATH": f"{stubs}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}"})
+    assert "SLURM sbatch failed" in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    return {args[args.index("--comment") + 1].removeprefix("rule_"): args for args in calls}
+
+
+def opt(args: list[str], name: str) -> str | None:
+    """The value of `-t 60` / `--mem 4000` / `--gpus=2` style options in an sbatch call."""
+    for i, a in enumerate(args):
+        if a == name:
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def expected(stage: str) -> dict:
+    """Resources from the stage's meta in dvc.yaml over the profile's defaults; threads from the meta."""
+    meta = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["meta"]["snakemake"]
+    profile = yaml.safe_load((ROOT / "profiles/slurm/profile.yaml").read_text())
+    return {**profile["default-resources"], **meta.get("resources", {}), "threads": meta.get("threads", 1)}
+
+
+def check_common(args: list[str], want: dict) -> None:
+    assert opt(args, "-A") == want["slurm_account"] and opt(args, "-p") == want["slurm_partition"]
+    assert opt(args, "-t") == str(want["runtime"]) and opt(args, "--mem") == str(want["mem_mb"])
+    assert "--requeue" in args  # preempted jobs go back to the queue and resume from their checkpoint
+
+
+def check_single_node_gpu(args: list[str], want: dict, gpus: int) -> None:
+    check_common(args, want)
+    assert opt(args, "--gpus") == str(gpus)
+    assert opt(args, "--cpus-per-gpu") == str(want["cpus_per_gpu"])
+    # One task that runs torchrun --standalone: no task geometry (--ntasks-per-gpu would start one copy per GPU).
+    assert not [a for a in args if a.startswith(("--ntasks", "--cpus-per-task", "--nodes", "--gres"))]
+
+
+def test_train_asks_for_train_nproc_gpus_and_cpu_stages_for_none(repo):
+    calls = submit(repo, {"train.nproc": 2, "evaluator.epochs": 2})
+    assert set(calls) == {"train", "fit_evaluator"}  # what the param changes made runnable
+    check_single_node_gpu(calls["train"], expected("train"), gpus=2)
+    assert "--target-jobs 'train:'" in calls["train"][-1]
+    cpu, want = calls["fit_evaluator"], expected("fit_evaluator")
+    check_common(cpu, want)
+    assert opt(cpu, "--cpus-per-task") == str(want["threads"]) and opt(cpu, "--ntasks") == "1"
+    assert opt(cpu, "--gpus") is None and opt(cpu, "--gres") is None
+
+
+def test_sample_asks_for_sample_nproc_gpus(repo):
+    calls = submit(repo, {"sample.nproc": 3})
+    assert set(calls) == {"sample"}
+    check_single_node_gpu(calls["sample"], expected("sample"), gpus=3)
+
+
+def test_multi_node_recipe_gives_one_task_per_node(repo):
+    calls = submit(repo, {"train.nproc": 4}, "--set-resources", *MULTI_NODE)
+    args = calls["train"]
+    check_common(args, expected("train"))
+    assert opt(args, "--nodes") == "2" and opt(args, "--ntasks") == "2" and opt(args, "--gres") == "gpu:4"
+    assert opt(args, "--gpus") is None and opt(args, "--ntasks-per-gpu") is None
