@@ -1,6 +1,8 @@
 """The torchrun / srun command lines built for each launch case."""
 import sys
 
+import pytest
+
 from ddpmrepro import launch
 
 
@@ -30,3 +32,64 @@ def test_first_slurm_host():
 def test_worker_args_drop_the_launchers_nproc():
     assert launch.worker_args(["train", "--nproc", "2", "--out", "m"]) == ["train", "--out", "m"]
     assert launch.worker_args(["train", "--nproc=2", "--restart"]) == ["train", "--restart"]
+
+
+# Started under srun: never srun again (the environments are what srun sets in each task).
+def test_srun_role_once_outside_a_multi_task_step():
+    assert launch.srun_role({}) == "once"  # a shell, or a GPU server without SLURM
+    # an sbatch script with --ntasks=2 (SLURM_NTASKS, but no step variables), and Snakemake's `srun -n1` job step
+    assert launch.srun_role({"SLURM_JOB_ID": "5", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2"}) == "once"
+    assert launch.srun_role({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_NUM_NODES": "1"}) == "once"
+
+
+def test_srun_once_per_node_runs_this_nodes_torchrun_with_the_shared_rendezvous():
+    env = {"SLURM_JOB_ID": "777", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_STEP_ID": "0",
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[03-04]", "SLURM_PROCID": "1"}
+    assert launch.srun_role(env) == "per-node"
+    cmd = launch.node_torchrun_command(4, ["train"], env, max_restarts=2)
+    assert "srun" not in cmd and "--standalone" not in cmd
+    # exactly the torchrun that our own `srun torchrun` launch runs on each node
+    assert cmd == launch.srun_torchrun_command(4, ["train"], env, max_restarts=2)[4:]
+    assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv_endpoint=gpu03:29500", "--rdzv_id=777"} <= set(cmd)
+
+
+def test_srun_once_per_gpu_is_refused_with_one_line():
+    env = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2", "SLURM_PROCID": "3"}
+    with pytest.raises(launch.LaunchError, match=r"^srun started 8 copies of ddpmrepro on 2 node\(s\).*run it once per allocation"):
+        launch.srun_role(env)
+    with pytest.raises(launch.LaunchError):  # two copies on one node would train the same run twice
+        launch.srun_role({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1"})
+
+
+def test_cli_refuses_srun_per_gpu_before_anything_starts(tmp_path):
+    from click.testing import CliRunner
+
+    from ddpmrepro.cli import main
+
+    env = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "1"}
+    (tmp_path / "params.yaml").write_text("{}\n")
+    for cmd in (["train"], ["sample"]):
+        result = CliRunner().invoke(main, [*cmd, "--params", str(tmp_path / "params.yaml")], env=env)
+        assert result.exit_code == 1
+        assert result.output.strip().splitlines() == [
+            "Error: srun started 4 copies of ddpmrepro on 1 node(s), but it starts one process per GPU itself: "
+            "run it once per allocation (without srun), or with `srun --ntasks-per-node=1`"]
+
+
+def test_node_list_from_scontrol_when_the_job_step_dropped_it(tmp_path):
+    # What `scontrol show job -o` prints for a running 2-node job (abridged); ReqNodeList must not match.
+    line = ("JobId=4242 JobName=snakejob UserId=me(1000) JobState=RUNNING ReqNodeList=(null) ExcNodeList=(null) "
+            "NodeList=gpu[07-08] BatchHost=gpu07 NumNodes=2 NumCPUs=64 NumTasks=2 TRES=cpu=64,gres/gpu=8")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\n[ \"$*\" = 'show job -o 4242' ] && echo '{line}'\n")
+    scontrol.chmod(0o755)
+    # Snakemake's job step keeps only the job id among the SLURM_* variables.
+    found = launch.slurm_allocation({"SLURM_JOB_ID": "4242"}, scontrol=str(scontrol))
+    assert found == {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    cmd = launch.srun_torchrun_command(4, ["train"], {"SLURM_JOB_ID": "4242", **found})
+    assert "--nodes=2" in cmd and "--rdzv_endpoint=gpu07:29500" in cmd
+    # nothing to add: SLURM's own variables are there, or this is not a SLURM job, or no scontrol
+    assert launch.slurm_allocation({"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu07"}, scontrol=str(scontrol)) == {}
+    assert launch.slurm_allocation({}, scontrol=str(scontrol)) == {}
+    assert launch.slurm_allocation({"SLURM_JOB_ID": "4242"}, scontrol=str(tmp_path / "missing")) == {}
+    assert launch.slurm_allocation({"SLURM_JOB_ID": "1"}, scontrol=str(scontrol)) == {}  # scontrol printed nothing

@@ -136,7 +136,12 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
     params = _load_params(params_path)
     nproc = nproc or params.train.nproc
     if not D.in_launch():
-        _check_devices(params.train.device, nproc)
+        os.environ.update(launch.slurm_allocation(os.environ))  # Snakemake's SLURM job step drops the node list
+        role = launch.srun_role(dict(os.environ))  # raises when srun started one copy per GPU
+        multinode = role == "per-node" or launch.slurm_nodes() > 1
+        _check_devices(params.train.device, nproc, claim=not multinode)
+        if role == "per-node":
+            raise SystemExit(launch.run_launcher(launch.node_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ))))
         if launch.slurm_nodes() > 1:
             raise SystemExit(launch.run_launcher(launch.srun_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ))))
         if nproc > 1:
@@ -149,14 +154,23 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
         click.echo(f"trained {summary['step']} steps, final loss {summary['loss']:.4f} -> {out}")
 
 
-def _check_devices(device: str, nproc: int) -> None:
+def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: bool = True) -> None:
+    """On GPUs: fails when nproc is more than the visible GPUs, and (claim) takes GPUs that no
+    concurrent ddpmrepro job on this machine uses (gpu_slots narrows CUDA_VISIBLE_DEVICES)."""
     import torch
 
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        have = torch.cuda.device_count()
-        if nproc > have:
-            raise click.ClickException(f"train.nproc={nproc} processes need {nproc} GPUs but {have} are visible; "
-                                       "lower train.nproc or set CUDA_VISIBLE_DEVICES")
+    from . import gpu_slots
+
+    # device_count() asks NVML and leaves CUDA uninitialised (is_available() would initialise it),
+    # so the CUDA_VISIBLE_DEVICES set by gpu_slots still applies to a run in this very process.
+    have = torch.cuda.device_count()
+    if device == "cpu" or (device == "auto" and have == 0):
+        return
+    if nproc > have:
+        raise click.ClickException(f"{key}={nproc} processes need {nproc} GPUs but {have} are visible; "
+                                   f"lower {key} or set CUDA_VISIBLE_DEVICES")
+    if claim:
+        gpu_slots.claim(nproc, device_count=have)
 
 
 @main.command()
@@ -179,8 +193,12 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
 
     params = _load_params(params_path)
     nproc = nproc or params.sample.nproc
-    if nproc > 1 and not D.in_launch():
-        raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]))))
+    if not D.in_launch():
+        if launch.srun_role(dict(os.environ)) != "once":
+            raise click.ClickException("ddpmrepro sample runs on one node: start it once, not with srun on several nodes")
+        _check_devices("auto", nproc, key="sample.nproc")
+        if nproc > 1:
+            raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]))))
     path = run(params, model_dir, out)
     if D.is_main():
         click.echo(f"wrote {path}")

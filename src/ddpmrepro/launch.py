@@ -3,7 +3,8 @@
 - already inside torchrun or a SLURM step that set the rendezvous variables: run here;
 - one process: run here (no launcher needed);
 - several processes on one node: re-exec under `torchrun --standalone`;
-- a multi-node SLURM allocation: `srun torchrun` with the rendezvous taken from SLURM.
+- a multi-node SLURM allocation: `srun torchrun` with the rendezvous taken from SLURM;
+- already started by srun once per node: this node's torchrun, same rendezvous (never srun again).
 """
 from __future__ import annotations
 
@@ -48,13 +49,72 @@ def srun_torchrun_command(nproc: int, worker_args: list[str], env: dict, *, port
     c10d rendezvous, and the job id names it so two jobs never join each other."""
     nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
     head = first_slurm_host(env["SLURM_JOB_NODELIST"])
+    return ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            *_rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restarts)]
+
+
+def node_torchrun_command(nproc: int, worker_args: list[str], env: dict, *, port: int = 29500,
+                          max_restarts: int = 0) -> list[str]:
+    """This node's torchrun when srun already started one `ddpmrepro train` per node: the
+    same rendezvous as `srun_torchrun_command`, taken from the step's nodes."""
+    nodes = int(env["SLURM_STEP_NUM_NODES"])
+    head = first_slurm_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+    return _rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restarts)
+
+
+def _rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restarts) -> list[str]:
     return [
-        "srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nodes}", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={head}:{port}", f"--rdzv_id={env.get('SLURM_JOB_ID', 'ddpmrepro')}",
         "-m", "ddpmrepro.cli", *worker_args,
     ]
+
+
+class LaunchError(RuntimeError):
+    """A launch that cannot work as started (one line for the user)."""
+
+
+def srun_role(env: dict) -> str:
+    """How this process was started with respect to srun, so that it never launches twice.
+
+    'once': not one of several tasks of an srun step (a shell, a batch script, `salloc`, `srun -n1`,
+        Snakemake's job step): this process starts everything, `srun torchrun` included.
+    'per-node': srun started one task on each node (`srun --ntasks-per-node=1 ddpmrepro train`):
+        this task runs torchrun for its own node and joins the others; calling srun again would
+        start nodes x nodes launchers.
+    Several tasks on a node (one per GPU, the habit of `srun python train.py` scripts) raise
+    LaunchError: the launcher starts one process per GPU itself.
+    """
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))  # set by srun in each task, not by sbatch
+    if tasks <= 1:
+        return "once"
+    nodes = int(env.get("SLURM_STEP_NUM_NODES", "1"))
+    if tasks == nodes:
+        return "per-node"
+    raise LaunchError(f"srun started {tasks} copies of ddpmrepro on {nodes} node(s), but it starts one process "
+                      "per GPU itself: run it once per allocation (without srun), or with `srun --ntasks-per-node=1`")
+
+
+def slurm_allocation(env, scontrol: str = "scontrol") -> dict:
+    """SLURM_JOB_NUM_NODES and SLURM_JOB_NODELIST when a SLURM job's environment lacks them, from
+    `scontrol show job`; {} when they are there or outside SLURM.
+
+    Snakemake's SLURM job step (snakemake-executor-plugin-slurm-jobstep 0.6) removes every SLURM_*
+    variable but the job id from the job's environment, so a multi-node job would otherwise look
+    like one node and train on the first node alone.
+    """
+    if not env.get("SLURM_JOB_ID") or env.get("SLURM_JOB_NODELIST"):
+        return {}
+    try:
+        out = subprocess.run([scontrol, "show", "job", "-o", env["SLURM_JOB_ID"]], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}  # no scontrol here: a single-node run
+    nodes, nodelist = re.search(r"(?:^|\s)NumNodes=(\d+)", out), re.search(r"(?:^|\s)NodeList=(\S+)", out)
+    if not (nodes and nodelist) or nodelist.group(1) == "(null)":
+        return {}
+    return {"SLURM_JOB_NUM_NODES": nodes.group(1), "SLURM_JOB_NODELIST": nodelist.group(1)}
 
 
 def first_slurm_host(nodelist: str) -> str:
