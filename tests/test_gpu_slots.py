@@ -191,3 +191,15 @@ def test_cli_takes_gpus_before_it_launches(four_fake_gpus):
     _check_devices("auto", 3)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2"
     assert len(gpu_slots._HELD) == 3
+
+
+def test_an_unusable_lock_directory_is_one_clear_error(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    env = {"DDPMREPRO_GPU_LOCK_DIR": str(not_a_dir / "locks")}
+    with pytest.raises(gpu_slots.GpuSlotsError, match=r"^cannot create the GPU lock directory .*/file/locks: Not a directory; set"):
+        gpu_slots.acquire(1, device_count=2, env=env)
+    (tmp_path / "locks").mkdir()
+    (tmp_path / "locks" / "gpu0.lock").mkdir()  # something in the way of a lock file
+    with pytest.raises(gpu_slots.GpuSlotsError, match=r"^cannot open .*gpu0.lock: Is a directory; set DDPMREPRO_GPU_LOCK_DIR"):
+        gpu_slots.acquire(1, device_count=2, env={"DDPMREPRO_GPU_LOCK_DIR": str(tmp_path / "locks")})

@@ -66,7 +66,13 @@ def _try_take(devices: list[str], n: int, directory: Path) -> tuple[list[tuple[s
     devices) after giving back whatever was taken."""
     got, busy = [], []
     for dev in devices:
-        fd = os.open(_lock_path(directory, dev), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(_lock_path(directory, dev), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            for _, held in got:
+                os.close(held)
+            raise GpuSlotsError(f"cannot open {_lock_path(directory, dev)}: {e.strerror}; "
+                                "set DDPMREPRO_GPU_LOCK_DIR to a directory of your own") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -109,7 +115,11 @@ def acquire(n: int, *, device_count: int, env=os.environ, timeout: float | None 
                             + (f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in env else "")
                             + "; lower the number of processes")
     directory = lock_dir(env)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise GpuSlotsError(f"cannot create the GPU lock directory {directory}: {e.strerror}; "
+                            "set DDPMREPRO_GPU_LOCK_DIR to a directory of your own") from None
     start, last_log = time.monotonic(), None
     while True:
         got, busy = _try_take(devices, n, directory)
