@@ -377,6 +377,19 @@ def test_writer_chunks_and_resume_drop_duplicate_steps(tmp_path):
     assert read_table(tmp_path, "param_grads").empty and len(pd.read_csv(tmp_path / "steps.tsv", sep="\t")) == 0
 
 
+def test_writer_flushes_on_a_row_budget_when_recording_every_step(tmp_path):
+    # 5 rows a step (3 params + 1 summary + 1 activation); a budget of 12 rows flushes every 3rd step
+    w = TableWriter(tmp_path, start_step=0, flush_every=1000, max_rows=12)
+    for s in range(8):
+        p, su, a = fake_rows(s)
+        w.add(s, params=p, summary=su, activations=a)
+    parts = sorted(f.name for f in (tmp_path / "param_grads").glob("part-*.parquet"))
+    assert parts == ["part-000000000-000000002.parquet", "part-000000003-000000005.parquet"]
+    w.close()
+    df = pd.read_parquet(tmp_path / "param_grads")
+    assert sorted(df["step"]) == sorted(s for s in range(8) for _ in range(3))
+
+
 # --- DDP (2 gloo processes) --------------------------------------------------------------------
 
 

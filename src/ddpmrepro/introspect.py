@@ -462,9 +462,15 @@ class TableWriter:
     earlier run when start_step is 0) is removed, so no step appears twice.
     """
 
-    def __init__(self, out_dir: str | Path, *, start_step: int, flush_every: int = 250):
+    def __init__(self, out_dir: str | Path, *, start_step: int, flush_every: int = 250, max_rows: int = 10_000):
         self.out_dir = Path(out_dir)
         self.flush_every = flush_every
+        # A row budget as well as a step budget: recording every step buffers ~200 rows a step, and
+        # thousands of small Arrow tables held until a 250-step flush grew the process by ~50 MB
+        # (allocator pages, not rows: the buffer itself was < 5 MB). Flushing at 10k rows kept the
+        # peak growth under 20 MB (benchmarks/introspect_overhead.py); files stay ~100 KB or more.
+        self.max_rows = max_rows
+        self._rows = 0
         self._buf: dict[str, list[pa.Table]] = {t: [] for t in SCHEMAS}  # arrow, not dicts: ~50x smaller
         self._tsv_buf: list[str] = []
         self._last_flush = start_step  # first step not yet flushed
@@ -514,11 +520,13 @@ class TableWriter:
     def add(self, step: int, *, params: list[dict] | None = None, summary: dict | None = None,
             activations: list[dict] | None = None, dumps: dict[str, torch.Tensor] | None = None,
             dump_metadata: dict[str, str] | None = None) -> None:
-        """Buffers one step's rows; flushes when `flush_every` steps have passed since the last flush."""
+        """Buffers one step's rows; flushes when `flush_every` steps have passed since the last flush
+        or `max_rows` rows are buffered."""
         self._last_step = max(self._last_step, step)
         for table, rows in (("param_grads", params), ("act_grads", activations), ("steps", [summary] if summary else None)):
             if rows:
                 self._buf[table].append(pa.Table.from_pylist(rows, schema=SCHEMAS[table]))
+                self._rows += len(rows)
         if summary is not None:
             self._tsv_buf.append("\t".join(_tsv_value(summary[c]) for c in TSV_COLUMNS) + "\n")
         if dumps:
@@ -527,7 +535,7 @@ class TableWriter:
             path = self.out_dir / "dumps" / f"step-{step:09d}.safetensors"
             save_file({k: v.contiguous() for k, v in dumps.items()}, str(path),
                       metadata={"step": str(step), **(dump_metadata or {})})
-        if step + 1 - self._last_flush >= self.flush_every:
+        if step + 1 - self._last_flush >= self.flush_every or self._rows >= self.max_rows:
             self.flush()
 
     def flush(self) -> None:
@@ -538,6 +546,7 @@ class TableWriter:
                 lo, hi = pc.min_max(t["step"]).values()
                 self._write_part(table, t, lo.as_py(), hi.as_py())
                 parts.clear()
+        self._rows = 0
         if self._tsv_buf:
             with open(self.out_dir / "steps.tsv", "a") as f:
                 f.writelines(self._tsv_buf)
