@@ -34,6 +34,18 @@ def test_worker_args_drop_the_launchers_nproc():
     assert launch.worker_args(["train", "--nproc=2", "--restart"]) == ["train", "--restart"]
 
 
+def test_max_restarts_goes_to_the_launcher_not_the_workers():
+    assert launch.worker_args(["train", "--max-restarts", "2", "--nproc=2", "--restart"]) == ["train", "--restart"]
+    assert launch.worker_args(["train", "--max-restarts=1"]) == ["train"]
+    # with restarts, each attempt gets its own rendezvous store (see launch._restartable)
+    cmd = launch.torchrun_command(2, ["train"], max_restarts=3)
+    assert cmd[:3] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable] and "--max-restarts=3" in cmd
+    assert launch.torchrun_command(2, ["train"])[0] == sys.executable
+    env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[03-04]"}
+    cmd = launch.srun_torchrun_command(8, ["train"], env, max_restarts=3)
+    assert cmd[cmd.index("env") + 1] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" and "--max-restarts=3" in cmd
+
+
 # Started under srun: never srun again (the environments are what srun sets in each task).
 def test_srun_role_once_outside_a_multi_task_step():
     assert launch.srun_role({}) == "once"  # a shell, or a GPU server without SLURM

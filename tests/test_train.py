@@ -142,14 +142,28 @@ def kill_after_checkpoint(run_dir: Path, data: Path, params: Path, nproc: int, s
     assert not (run_dir / "model").exists()
 
 
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory, prepared):
+    """Uninterrupted runs of SMALL with 1 or 2 processes (global batch 16), made once per module:
+    what killed, resumed and restarted runs must equal bitwise."""
+    runs = {}
+
+    def get(nproc: int) -> Path:
+        if nproc not in runs:
+            runs[nproc] = tmp_path_factory.mktemp(f"straight{nproc}")
+            params = write_params(runs[nproc] / "p.yaml", train={"nproc": nproc, "batch_per_proc": 16 // nproc})
+            run_train(runs[nproc], prepared, params, nproc)
+        return runs[nproc]
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_kill_and_resume_is_bitwise_identical(tmp_path, prepared, nproc):
+def test_kill_and_resume_is_bitwise_identical(tmp_path, prepared, straight_runs, nproc):
     params = write_params(tmp_path / "p.yaml", train={"nproc": nproc, "batch_per_proc": 16 // nproc})
-    run_train(tmp_path / "straight", prepared, params, nproc)
     kill_after_checkpoint(tmp_path / "resumed", prepared, params, nproc, step=4)
     run_train(tmp_path / "resumed", prepared, params, nproc)
-    assert_same(final_state(tmp_path / "straight"), final_state(tmp_path / "resumed"), exact=True)
+    assert_same(final_state(straight_runs(nproc)), final_state(tmp_path / "resumed"), exact=True)
     # the gradient tables of the resumed run hold every recorded step exactly once
     import pandas as pd
 
@@ -330,3 +344,147 @@ def test_one_rank_failing_ends_every_rank_and_says_which_and_why(tmp_path, prepa
     assert re.search(r"^\s*rank\s*:\s*1 \(local_rank: 1\)", root_cause, re.M)
     assert re.search(r"^\s*exitcode\s*:\s*1 ", root_cause, re.M)
     assert not (run / "model").exists()  # nothing exported as if finished
+
+
+def poison_loss(monkeypatch, at_call: int) -> None:
+    """Makes the training loss infinite in this process's `at_call`-th microbatch (1-based)."""
+    from ddpmrepro import train as T
+
+    real, calls = T.diffusion_from_params, [0]
+
+    def poisoned(*args, **kwargs):
+        diffusion = real(*args, **kwargs)
+        clean = diffusion.training_losses
+
+        def training_losses(*a, **k):
+            out = clean(*a, **k)
+            calls[0] += 1
+            return {**out, "loss": out["loss"] * float("inf")} if calls[0] == at_call else out
+        diffusion.training_losses = training_losses
+        return diffusion
+    monkeypatch.setattr(T, "diffusion_from_params", poisoned)
+
+
+def cli_train(run_dir: Path, data: Path, params: Path):
+    """`ddpmrepro train` in this process (so a monkeypatched loss applies), as the user runs it."""
+    from click.testing import CliRunner
+
+    from ddpmrepro.cli import main
+
+    return CliRunner().invoke(main, train_cmd(run_dir, data, params, 1)[3:])
+
+
+def checkpoints(run_dir: Path) -> dict[int, dict]:
+    from ddpmrepro.checkpoint import checkpoint_step, list_checkpoints
+
+    (ckpt_dir,) = (run_dir / "ckpt").glob("*/*")
+    return {checkpoint_step(f): load_checkpoint(f) for f in list_checkpoints(ckpt_dir)}
+
+
+def tensors(state: dict) -> list[torch.Tensor]:
+    """Every tensor of a checkpoint that training updates: weights, EMAs, AdamW moments and step counts."""
+    out = list(state["model"].values()) + [t for e in state["ema"].values() for t in e.values()]
+    return out + [t for s in state["optimizer"]["state"].values() for t in s.values()]
+
+
+# Checkpoints every step, log lines every 3: the poisoned step 4 is a checkpoint step but not a log step.
+NONFINITE = {"steps": 6, "checkpoint_every": 1, "keep_checkpoints": 10, "log_every": 3}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nonfinite_step_errors_saving_nothing_after_it_then_skip_resumes_as_a_skip_run(
+        tmp_path, prepared, monkeypatch, caplog, one_thread, precision):
+    # on_nonfinite: error (the default) stops at step 4 with one line; no checkpoint of the poisoned
+    # model is written and the previous outputs are left as they were.
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "model.safetensors").write_bytes(b"weights of an earlier run")
+    poison_loss(monkeypatch, at_call=4)
+    result = cli_train(run, prepared, write_params(tmp_path / "error.yaml", train={**NONFINITE, "precision": precision}))
+    assert result.exit_code == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert errors == [f"Error: non-finite gradient norm at step 4 under {precision}; stopped without saving past "
+                      "step 3. Lower train.lr, or set train.on_nonfinite: skip, and rerun to resume"]
+    assert result.stderr.splitlines()[-1] == errors[0]
+    assert sorted(checkpoints(run)) == [1, 2, 3]
+    assert all(torch.isfinite(t.float()).all() for t in tensors(checkpoints(run)[3]))
+    assert [f.name for f in (run / "model").iterdir()] == ["model.safetensors"]
+    assert (run / "model" / "model.safetensors").read_bytes() == b"weights of an earlier run"
+    assert not (run / "live").exists() and not (run / "introspect").exists()
+
+    # As the message says: on_nonfinite: skip resumes from step 3 (the policy is not part of the run
+    # hash) and skips step 4: its optimizer step and EMA update leave every tensor as it was.
+    skip = write_params(tmp_path / "skip.yaml", train={**NONFINITE, "precision": precision, "on_nonfinite": "skip"})
+    monkeypatch.undo()
+    poison_loss(monkeypatch, at_call=1)  # step 4 is the first step of the resumed run
+    with caplog.at_level("WARNING", logger="ddpmrepro.train"):
+        assert cli_train(run, prepared, skip).exit_code == 0
+    assert f"step 4: non-finite gradient norm under {precision}; update skipped (1 so far)" in caplog.text
+    states = checkpoints(run)
+    assert sorted(states) == [1, 2, 3, 4, 5, 6]
+    assert all(torch.equal(a, b) for a, b in zip(tensors(states[3]), tensors(states[4])))
+    assert not all(torch.equal(a, b) for a, b in zip(tensors(states[4]), tensors(states[5])))
+    assert (states[6]["skipped_steps"], states[6]["ema_updates"]) == (1, 5)
+    assert all(torch.isfinite(t.float()).all() for t in tensors(states[6]))
+    assert bool(torch.isfinite(states[6]["sampler"]["loss_history"]).all())  # the inf losses were left out
+    import pandas as pd
+
+    logged = pd.read_csv(run / "live" / "plots" / "metrics" / "skipped_steps.tsv", sep="\t")
+    assert logged["skipped_steps"].tolist() == [0, 1]  # at the log steps 3 and 6
+
+    # ... bitwise what a run under `skip` from the start gives.
+    monkeypatch.undo()
+    poison_loss(monkeypatch, at_call=4)
+    assert cli_train(tmp_path / "straight", prepared, skip).exit_code == 0
+    straight = checkpoints(tmp_path / "straight")[6]
+    assert all(torch.equal(a, b) for a, b in zip(tensors(straight), tensors(states[6])))
+
+
+def torchrun_workers(proc: subprocess.Popen) -> dict[tuple[int, int], "psutil.Process"]:
+    """The live workers under a launcher, by (torchrun restart count, rank)."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            e = child.environ()
+        except psutil.Error:  # gone, or not yet exec'd
+            continue
+        if "RANK" in e and "TORCHELASTIC_RESTART_COUNT" in e:
+            found[int(e["TORCHELASTIC_RESTART_COUNT"]), int(e["RANK"])] = child
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint_to_the_same_bits(tmp_path, prepared,
+                                                                                    straight_runs):
+    # checkpoint_every and max_restarts are operational: the same run as straight_runs(2).
+    params = write_params(tmp_path / "p.yaml", train={"nproc": 2, "batch_per_proc": 8, "checkpoint_every": 1,
+                                                      "max_restarts": 2})
+    run, log = tmp_path / "restarted", tmp_path / "restarted.log"
+    # --restart as well: a relaunched group must still resume from what this run saved.
+    with open(log, "w") as err:
+        proc = subprocess.Popen(train_cmd(run, prepared, params, 2) + ["--restart"], env=env(),
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        # SIGKILL rank 0 (it holds the run lock and writes the checkpoints) once step 2 is saved, then
+        # rank 1 of the restarted group once step 5 is saved.
+        for attempt, rank, after in [(0, 0, 2), (1, 1, 5)]:
+            deadline = time.time() + 120
+            while (worker := torchrun_workers(proc).get((attempt, rank))) is None or \
+                    max((int(f.stem[5:]) for f in run.glob("ckpt/*/*/step_*.sha256")), default=0) < after:
+                assert proc.poll() is None and time.time() < deadline, f"no kill {attempt}: {log.read_text()[-3000:]}"
+                time.sleep(0.02)
+            worker.kill()
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    text = log.read_text()
+    assert "--max-restarts=2" in text  # from train.max_restarts, printed by the launcher
+    import re
+
+    resumed = [int(s) for s in re.findall(r"resuming from \S+ \(step (\d+)\)", text)]
+    assert len(resumed) == 2 and 2 <= resumed[0] < 5 <= resumed[1] < 8, resumed
+    assert_same(final_state(straight_runs(2)), final_state(run), exact=True)

@@ -118,9 +118,11 @@ def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Processes (GPUs) per node; overrides train.nproc.")
 @click.option("--restart", is_flag=True, help="Ignore existing checkpoints of this run and start from step 0.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=None,
+              help="Under torchrun: restart all ranks this often after one fails; overrides train.max_restarts.")
 @user_errors
 def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspect_dir: Path,
-          checkpoint_root: Path, nproc: int | None, restart: bool) -> None:
+          checkpoint_root: Path, nproc: int | None, restart: bool, max_restarts: int | None) -> None:
     """Train the conditional UNet (torchrun DDP when nproc > 1).
 
     \b
@@ -128,24 +130,29 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
     Writes: OUT/{model,ema_<rate>}.safetensors + config.json; LIVE (dvclive metrics and
             per-step plots); INTROSPECT (gradient tables); CHECKPOINTS/<run-hash>/ (resumable).
     Resumes from the last checkpoint of the same run (params, data and code); Ctrl-C or
-    SIGTERM saves a checkpoint at the next step boundary.
+    SIGTERM saves a checkpoint at the next step boundary; after a rank fails, torchrun
+    restarts the group from that checkpoint (up to train.max_restarts times).
     """
     from . import distributed as D
     from . import launch
 
     params = _load_params(params_path)
     nproc = nproc or params.train.nproc
+    max_restarts = params.train.max_restarts if max_restarts is None else max_restarts
     if not D.in_launch():
         os.environ.update(launch.slurm_allocation(os.environ))  # Snakemake's SLURM job step drops the node list
         role = launch.srun_role(dict(os.environ))  # raises when srun started one copy per GPU
         multinode = role == "per-node" or launch.slurm_nodes() > 1
         _check_devices(params.train.device, nproc, claim=not multinode)
         if role == "per-node":
-            raise SystemExit(launch.run_launcher(launch.node_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ))))
+            raise SystemExit(launch.run_launcher(launch.node_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ),
+                                                                              max_restarts=max_restarts)))
         if launch.slurm_nodes() > 1:
-            raise SystemExit(launch.run_launcher(launch.srun_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ))))
+            raise SystemExit(launch.run_launcher(launch.srun_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ),
+                                                                               max_restarts=max_restarts)))
         if nproc > 1:
-            raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]))))
+            raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]),
+                                                                         max_restarts=max_restarts)))
     from .train import TrainPaths
     from .train import train as run
 

@@ -19,25 +19,35 @@ def slurm_nodes() -> int:
     return int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
 
 
+LAUNCHER_OPTIONS = ("--nproc", "--max-restarts")
+
+
 def worker_args(argv: list[str]) -> list[str]:
-    """The CLI arguments for the workers, without `--nproc N` (consumed by the launcher, and
-    torchrun's argparse would take it as an abbreviation of its own --nproc-per-node)."""
+    """The CLI arguments for the workers, without the launcher's `--nproc N` and `--max-restarts N`
+    (consumed by the launcher; torchrun's argparse would take them for its own options)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in LAUNCHER_OPTIONS:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(f"{o}=" for o in LAUNCHER_OPTIONS)):
             out.append(a)
     return out
+
+
+def _restartable(max_restarts: int) -> list[str]:
+    """By default torchrun shares its rendezvous store with the workers, and a restarted group
+    can read the failed attempt's addresses and never connect (pytorch/pytorch#135712): with
+    restarts on, every attempt gets a store of its own."""
+    return ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] if max_restarts else []
 
 
 def torchrun_command(nproc: int, worker_args: list[str], *, max_restarts: int = 0) -> list[str]:
     """torchrun for one node; `--standalone` picks a free port and a fresh rendezvous id,
     so concurrent jobs on one host never collide."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        *_restartable(max_restarts), sys.executable, "-m", "torch.distributed.run",
         "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
         "-m", "ddpmrepro.cli", *worker_args,
     ]
@@ -64,7 +74,7 @@ def node_torchrun_command(nproc: int, worker_args: list[str], env: dict, *, port
 
 def _rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restarts) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        *_restartable(max_restarts), sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nodes}", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={head}:{port}", f"--rdzv_id={env.get('SLURM_JOB_ID', 'ddpmrepro')}",
         "-m", "ddpmrepro.cli", *worker_args,

@@ -89,6 +89,8 @@ class TrainParams:
     checkpoint_every: int = _f(500, min=1)
     keep_checkpoints: int = _f(2, min=1)
     log_every: int = _f(25, min=1)
+    on_nonfinite: str = _f("error", choices=("error", "skip"))
+    max_restarts: int = _f(0, min=0, max=100)
 
 
 @dataclass(frozen=True)

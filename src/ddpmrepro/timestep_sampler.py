@@ -10,6 +10,8 @@ same weights.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -73,9 +75,13 @@ class LossSecondMomentSampler(UniformSampler):
         """Records per-example losses (unweighted) in the ring buffer of each timestep.
 
         Call with the losses of *all* ranks (see `gather_for_sampler`), in the same order on
-        every rank, so the histories stay identical.
+        every rank, so the histories stay identical. A non-finite loss (a step that
+        `train.on_nonfinite: skip` or the fp16 scaler skips) is left out: it would make every
+        weight NaN.
         """
         for ti, loss in zip(t.tolist(), losses.tolist()):
+            if not math.isfinite(loss):
+                continue
             if self.loss_counts[ti] == self.history:
                 # drop the oldest (a shift keeps the order, so state is deterministic)
                 self.loss_history[ti, :-1] = self.loss_history[ti, 1:]

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -39,9 +40,10 @@ from .unet import build_unet
 
 log = logging.getLogger("ddpmrepro.train")
 
-# Keys that change how often we log or save, not what is learned: they must not
-# invalidate a checkpoint or the run hash.
-OPERATIONAL_TRAIN_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every")
+# Keys that change how often we log or save, or how failures are handled, not what is learned:
+# they must not invalidate a checkpoint or the run hash. (`on_nonfinite: error` saves nothing
+# after a non-finite step, so a run stopped by it resumes under `skip` exactly as a `skip` run.)
+OPERATIONAL_TRAIN_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every", "on_nonfinite", "max_restarts")
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,10 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         _refuse_interrupted_run_of_other_code(ckpt_dir, p.steps)
     lock = ckpt.RunLock(ckpt_dir) if main else contextlib.nullcontext()
     with lock:
-        latest = None if restart else ckpt.latest_checkpoint(ckpt_dir)
+        # After a rank failure, `torchrun --max-restarts` relaunches the same command: resume from
+        # the checkpoints this run wrote even if the first launch said --restart.
+        relaunched = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        latest = None if restart and not relaunched else ckpt.latest_checkpoint(ckpt_dir)
         if latest is not None:
             state = ckpt.load_checkpoint(latest)
             if state["code_version"] != version:
@@ -262,7 +267,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         # Running sums for the log line, kept on the device (no host sync between log steps).
         stats = torch.zeros(4, dtype=torch.float64, device=device)  # sums of loss, mse, vb; count
         quart = torch.zeros(2, 4, dtype=torch.float64, device=device)  # loss sum, count per t quartile
-        nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        first_nonfinite = torch.zeros((), dtype=torch.long, device=device)  # first step with a NaN/inf grad norm; 0: none
+        saved_step = start_step
         t_last, imgs_since = time.perf_counter(), 0
         progress = _progress(main, start_step, p.steps)
         summary: dict = {}
@@ -308,15 +314,29 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     grad_rec.capture(step)  # after all-reduce and unscale; before clipping, which scales in place
                 clip = p.grad_clip if p.grad_clip > 0 else math.inf
                 total_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
-                nonfinite |= ~torch.isfinite(total_norm) & (not scaler.is_enabled())
-                scaler.step(opt)
+                skipped = False
+                if not scaler.is_enabled() and p.on_nonfinite == "skip":
+                    # One host sync per step: an exact skip (AdamW moments and step count, EMA and its
+                    # warmup count untouched) must be decided before stepping, and masking AdamW on the
+                    # device would copy its whole state every step. The fp16 GradScaler syncs here too.
+                    skipped = not bool(torch.isfinite(total_norm))
+                elif not scaler.is_enabled():
+                    # No sync: note the first bad step on the device; it is read before anything is
+                    # logged or saved, so a poisoned model is never written.
+                    first_nonfinite = torch.where(torch.isfinite(total_norm) | (first_nonfinite > 0),
+                                                  first_nonfinite, step + 1)
+                if not skipped:
+                    scaler.step(opt)
                 scaler.update()
-                skipped = scaler.is_enabled() and scaler.get_scale() < loss_scale
+                skipped = skipped or (scaler.is_enabled() and scaler.get_scale() < loss_scale)
                 opt.zero_grad(set_to_none=True)
 
                 # Update the EMA weights (not on skipped steps: the weights did not move).
                 if skipped:
                     skipped_steps += 1
+                    if main and not scaler.is_enabled():
+                        log.warning("step %d: non-finite gradient norm under %s; update skipped (%d so far)",
+                                    step + 1, p.precision, skipped_steps)
                 else:
                     for rate, ema in emas.items():
                         update_ema(ema, raw_model, ema_decay(rate, ema_updates, p.ema_warmup))
@@ -334,14 +354,18 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 done = step + 1
                 imgs_since += p.batch_per_proc * p.grad_accum * world
                 stop_now = _agree(stop.requested)
-                if done % p.log_every == 0 or done == p.steps or stop_now:
+                log_now = done % p.log_every == 0 or done == p.steps or stop_now
+                save_now = done % p.checkpoint_every == 0 or done == p.steps or stop_now
+                if (log_now or save_now) and int(first_nonfinite) > 0:  # same value on every rank (all-reduced grads)
+                    raise FloatingPointError(
+                        f"non-finite gradient norm at step {int(first_nonfinite)} under {p.precision}; stopped "
+                        f"without saving past step {saved_step}. Lower train.lr, or set train.on_nonfinite: skip, "
+                        "and rerun to resume")
+                if log_now:
                     if world > 1:
                         dist.all_reduce(stats)
                         dist.all_reduce(quart)
                     s, qs = stats.cpu().tolist(), quart.cpu().tolist()
-                    if bool(nonfinite.item()):
-                        raise FloatingPointError(f"non-finite gradient norm before step {done} under {p.precision}; "
-                                                 "lower train.lr or enable train.grad_clip")
                     now = time.perf_counter()
                     summary = {
                         "step": done, "loss": s[0] / s[3], "mse": s[1] / s[3], "vb": s[2] / s[3],
@@ -360,7 +384,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                         progress(done, summary)
 
                 # Checkpoint atomically every k steps, at the end, and when asked to stop.
-                if done % p.checkpoint_every == 0 or done == p.steps or stop_now:
+                if save_now:
                     state = {
                         "step": done, "model": raw_model.state_dict(), "optimizer": opt.state_dict(),
                         "scaler": scaler.state_dict(), "ema": {str(r): e for r, e in emas.items()},
@@ -372,6 +396,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                         ckpt.save_checkpoint(state, ckpt_dir, done, keep=p.keep_checkpoints)
                         writer.flush()
                     D.barrier()
+                    saved_step = done
                 if stop_now and done < p.steps:
                     if main:
                         writer.close()
