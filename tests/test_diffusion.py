@@ -302,6 +302,21 @@ def test_per_image_generators_make_images_independent_of_batch(sampler):
     assert big.min() >= -1 and big.max() <= 1
 
 
+def test_deterministic_ddim_draws_no_step_noise_and_equals_steps_with_zero_noise():
+    diff = from_params_ddim(20)
+    gens = [torch.Generator().manual_seed(s) for s in range(3)]
+    fast = diff.ddim_sample(smooth_eps_model, (3, 1, 4, 4), generators=gens, eta=0.0)
+    # the initial noise is the only draw: every generator has advanced by exactly one image's randn
+    for s, g in enumerate(gens):
+        ref = torch.Generator().manual_seed(s)
+        torch.randn((1, 4, 4), generator=ref)
+        assert torch.equal(torch.randn(3, generator=g), torch.randn(3, generator=ref))
+    x = torch.stack([torch.randn((1, 4, 4), generator=torch.Generator().manual_seed(s)) for s in range(3)])
+    for i in reversed(range(diff.num_timesteps)):  # the same steps, given explicit zero noise
+        x = diff.ddim_step(smooth_eps_model, x, torch.full((3,), i), torch.zeros_like(x), eta=0.0)["sample"]
+    torch.testing.assert_close(fast, x.clamp(-1, 1), rtol=0, atol=0)
+
+
 def test_sampler_progress_callback():
     diff, calls = from_params_ddim(5), []
     diff.ddim_sample(smooth_eps_model, (1, 1, 2, 2), progress=lambda i, n: calls.append((i, n)))

@@ -418,6 +418,8 @@ class GaussianDiffusion:
         abar_prev = self._gather(self.alphas_cumprod_prev, t, xt.ndim)
         sigma = eta * torch.sqrt((1 - abar_prev) / (1 - abar)) * torch.sqrt(1 - abar / abar_prev)
         mean = out["pred_x0"] * torch.sqrt(abar_prev) + torch.sqrt(1 - abar_prev - sigma ** 2) * out["eps"]
+        if noise is None:  # eta = 0: sigma is 0 and the step is deterministic
+            return {"sample": mean, "pred_x0": out["pred_x0"]}
         nonzero = (t != 0).float().view(-1, *([1] * (xt.ndim - 1)))
         return {"sample": mean + nonzero * sigma * noise, "pred_x0": out["pred_x0"]}
 
@@ -430,15 +432,17 @@ class GaussianDiffusion:
                 "pred_x0": out["pred_x0"]}
 
     @torch.no_grad()
-    def _sample_loop(self, step, model_fn, shape, generators, x_T, progress, device) -> torch.Tensor:
-        """Runs `step` from t = T-1 down to 0 and returns the final x_0, clamped to [-1, 1]."""
+    def _sample_loop(self, step, model_fn, shape, generators, x_T, progress, device,
+                     step_noise: bool = True) -> torch.Tensor:
+        """Runs `step` from t = T-1 down to 0 and returns the final x_0, clamped to [-1, 1].
+        Without `step_noise` (deterministic DDIM) no per-step noise is drawn: `step` gets None."""
         if device is None:  # given, else x_T's, else the model_fn's (guided_model_fn sets it), else CPU
             device = x_T.device if x_T is not None else getattr(model_fn, "device", torch.device("cpu"))
         x = x_T.to(device) if x_T is not None else self._randn(shape, generators, device)
         n = self.num_timesteps
         for i, step_t in enumerate(reversed(range(n))):
             t = torch.full((x.shape[0],), step_t, dtype=torch.int64, device=device)
-            x = step(model_fn, x, t, self._randn(x, generators))["sample"]
+            x = step(model_fn, x, t, self._randn(x, generators) if step_noise else None)["sample"]
             if progress is not None:
                 progress(i + 1, n)
         return x.clamp(-1, 1)
@@ -471,7 +475,8 @@ class GaussianDiffusion:
         def step(fn, x, t, noise):
             return self.ddim_step(fn, x, t, noise, eta, clip_denoised)
 
-        return self._sample_loop(step, model_fn, shape, generators, x_T, progress, device)
+        # eta = 0 adds no noise: skipping the per-image draws saves a randn per image and step.
+        return self._sample_loop(step, model_fn, shape, generators, x_T, progress, device, step_noise=eta > 0)
 
     @torch.no_grad()
     def ddim_reverse_sample(self, model_fn: ModelFn, x0: torch.Tensor, clip_denoised: bool = False,
