@@ -46,6 +46,11 @@ log = logging.getLogger("ddpmrepro.train")
 OPERATIONAL_TRAIN_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every", "on_nonfinite", "max_restarts")
 
 
+# What a checkpoint must hold to be resumed (a file with a valid sidecar can still be something else).
+CHECKPOINT_KEYS = {"step", "model", "optimizer", "scaler", "ema", "sampler", "ema_updates", "skipped_steps",
+                   "run_hash", "code_version"}
+
+
 @dataclass(frozen=True)
 class TrainPaths:
     data_dir: Path
@@ -164,6 +169,10 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     labels = torch.as_tensor(data.train_labels, dtype=torch.long)
     num_classes = manifest["num_classes"]
     hflip = bool(manifest.get("hflip_ok", False))
+    # Refused here, before anything is written. DistributedSampler(drop_last) gives each rank N // W.
+    if len(images) // world < p.batch_per_proc:
+        raise RuntimeError(f"train.batch_per_proc={p.batch_per_proc} is larger than this rank's "
+                           f"{len(images) // world} training images; lower it")
 
     # Model, diffusion, optimizer, EMA, timestep sampler.
     torch.manual_seed(p.seed)  # identical initial weights on every rank
@@ -193,6 +202,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         latest = None if restart and not relaunched else ckpt.latest_checkpoint(ckpt_dir)
         if latest is not None:
             state = ckpt.load_checkpoint(latest)
+            if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
+                raise ckpt.CheckpointError(f"{latest}: not a training checkpoint of ddpmrepro; delete it to resume "
+                                           "from an earlier checkpoint")
             if state["code_version"] != version:
                 raise ckpt.CheckpointError(
                     f"{latest}: written by code version {state['code_version']}, this is {version}; "
@@ -214,9 +226,6 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         order = DistributedSampler(range(len(images)), num_replicas=world, rank=rank, shuffle=True,
                                    seed=p.seed, drop_last=True)
         batches_per_epoch = len(order) // p.batch_per_proc
-        if batches_per_epoch == 0:
-            raise RuntimeError(f"train.batch_per_proc={p.batch_per_proc} is larger than this rank's "
-                               f"{len(order)} training images; lower it")
         epoch_indices: dict[int, list[int]] = {}
 
         def microbatch(global_micro: int):

@@ -215,6 +215,8 @@ def load_prepared(directory: str | Path) -> Prepared:
             raise DataError(f"{path}: sha256 does not match manifest.json (modified or incomplete); {fix} "
                             f"or `dvc checkout {directory}`")
         arrays[split] = _check_arrays(blob, path, manifest, split, fix)
+        if len(arrays[split][1]) == 0:  # `prepare` refuses to write one, so this is damage
+            raise DataError(f"{path}: the {split} split is empty; {fix}")
     return Prepared(*arrays["train"], *arrays["test"], manifest)
 
 

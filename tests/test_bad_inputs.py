@@ -1,0 +1,382 @@
+"""Bad input through the real command line: every params key with a wrong type and an out-of-range
+value, unknown keys, empty/missing/corrupt data, truncated/tampered/foreign/pickle-bearing
+checkpoints, a second writer. Each gives a non-zero exit with one line naming what is wrong, and
+leaves the files already there byte for byte as they were.
+
+The params cases are generated from the dataclasses in ddpmrepro.params, so a new key is covered
+without touching this file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import types
+import typing
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from ddpmrepro import params as P
+from ddpmrepro.checkpoint import RunLock, latest_checkpoint, list_checkpoints, save_checkpoint, sha256_file
+from ddpmrepro.cli import main
+from ddpmrepro.data import prepare
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Each stage with every path it reads or writes, relative to the working directory of the test.
+STAGE_ARGS = {
+    "prepare": ["--out", "data"],
+    "fit-evaluator": ["--data", "data", "--out", "evaluator"],
+    "train": ["--data", "data", "--out", "model", "--live", "live", "--introspect", "introspect",
+              "--checkpoints", "ckpt"],
+    "sample": ["--model", "model", "--out", "samples"],
+    "evaluate": ["--samples", "samples", "--data", "data", "--evaluator", "evaluator", "--model", "model",
+                 "--out", "metrics.json"],
+    "report": ["--introspect", "introspect", "--live", "live", "--out", "figures"],
+}
+# The stage that reads each params section (dvc.yaml lists the same).
+SECTION_STAGE = {"data": "prepare", "evaluator": "fit-evaluator", "model": "train", "diffusion": "train",
+                 "train": "train", "introspect": "train", "sample": "sample", "evaluate": "evaluate",
+                 "report": "report"}
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every file under root with its bytes, and every directory (the run lock's pid note aside:
+    it is not an output)."""
+    return {f.relative_to(root).as_posix(): f.read_bytes() if f.is_file() else None
+            for f in sorted(root.rglob("*")) if f.name != ".lock"}
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def assert_one_line_error(result, exit_code: int, *fragments: str) -> str:
+    assert result.exit_code == exit_code, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+# --- params.yaml: every key ------------------------------------------------------------------------
+
+
+def _leaves():
+    for section, cls in typing.get_type_hints(P.Params).items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield section, f.name, hints[f.name], f.metadata
+
+
+def _strip_optional(tp):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    return tp
+
+
+def _wrong_type(tp):
+    tp = _strip_optional(tp)
+    if typing.get_origin(tp) is list:
+        return "not-a-list"
+    return {bool: "yes", int: "many", float: "fast", str: [1]}[tp]
+
+
+def _out_of_range(tp, meta) -> list[tuple[object, str]]:
+    """Values of the right type that the field's choices or bounds exclude, with the expected words."""
+    tp = _strip_optional(tp)
+    listed = typing.get_origin(tp) is list
+    item = typing.get_args(tp)[0] if listed else tp
+    cases = []
+    if meta.get("choices") is not None:
+        cases.append((2 if item is int else "not-a-choice", "is not one of"))
+    if meta.get("min") is not None:
+        lo = meta["min"]
+        cases.append((lo if meta.get("min_exclusive") else lo - (1 if item is int else 0.5), "must be >"))
+    if meta.get("max") is not None:
+        cases.append((meta["max"] + 1, "must be <="))
+    return [([v] if listed else v, words) for v, words in cases]
+
+
+def _params_cases():
+    for section, name, tp, meta in _leaves():
+        key = f"{section}.{name}"
+        yield pytest.param({section: {name: _wrong_type(tp)}}, key, "expected", id=f"{key}-type")
+        for i, (value, words) in enumerate(_out_of_range(tp, meta)):
+            yield pytest.param({section: {name: value}}, key, words, id=f"{key}-range{i}")
+    for section in typing.get_type_hints(P.Params):
+        yield pytest.param({section: {"no_such_key": 1}}, f"{section}.no_such_key", "unknown key",
+                           id=f"{section}-unknown")
+    yield pytest.param({"no_such_section": {}}, "no_such_section", "unknown key", id="top-unknown")
+
+
+PARAMS_CASES = list(_params_cases())
+
+
+@pytest.fixture
+def outputs(tmp_path, monkeypatch) -> Path:
+    """A working directory holding an earlier output of every stage."""
+    monkeypatch.chdir(tmp_path)
+    for rel in ("data/train.npz", "data/manifest.json", "evaluator/model.safetensors", "model/model.safetensors",
+                "model/config.json", "live/metrics.json", "introspect/steps.tsv", "ckpt/a/b/step_000000001.pt",
+                "samples/samples.npz", "metrics.json", "figures/loss.png"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(f"earlier {rel}".encode())
+    return tmp_path
+
+
+def test_every_section_is_read_by_a_stage_and_every_key_has_cases():
+    assert set(SECTION_STAGE) == set(typing.get_type_hints(P.Params))
+    keys = {f"{s}.{n}" for s, n, _, _ in _leaves()}
+    assert keys == {c.values[1] for c in PARAMS_CASES if not c.values[1].endswith("no_such_key")} - {"no_such_section"}
+
+
+@pytest.mark.parametrize("raw, key, words", PARAMS_CASES)
+def test_bad_params_value_exits_2_with_one_line_naming_the_key(outputs, raw, key, words):
+    (outputs / "params.yaml").write_text(yaml.safe_dump(raw))
+    before = snapshot(outputs)
+    stage = SECTION_STAGE.get(key.split(".")[0], "train")
+    result = cli(stage, "--params", "params.yaml", *STAGE_ARGS[stage])
+    assert_one_line_error(result, 2, f"Error: params.yaml: {key}", words)
+    assert result.stdout == ""
+    assert snapshot(outputs) == before
+
+
+@pytest.mark.slow
+def test_bad_params_end_to_end_in_a_fresh_process(outputs):
+    (outputs / "params.yaml").write_text("train:\n  on_nonfinite: ignore\n")
+    before = snapshot(outputs)
+    proc = subprocess.run([sys.executable, "-m", "ddpmrepro.cli", "train", "--params", "params.yaml",
+                           *STAGE_ARGS["train"]], capture_output=True, text=True, cwd=outputs,
+                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["Error: params.yaml: train.on_nonfinite: 'ignore' is not one of error | skip"]
+    assert snapshot(outputs) == before
+
+
+# --- datasets -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bad_inputs") / "prepared"
+    prepare(P.DataParams(), out)
+    return out
+
+
+TINY = {
+    "model": {"channels": 16, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_resolutions": [4],
+              "num_head_channels": 16},
+    "diffusion": {"timesteps": 10},
+    "train": {"steps": 3, "batch_per_proc": 16, "warmup_steps": 0, "checkpoint_every": 1, "keep_checkpoints": 5,
+              "log_every": 1, "ema_rates": [0.9]},
+    "introspect": {"every": 0, "steps": []},
+    "evaluator": {"epochs": 1},
+}
+
+
+def _rewrite_npz(path: Path, **arrays) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    path.write_bytes(buf.getvalue())
+
+
+def _set_manifest(d: Path, **changes) -> None:
+    m = json.loads((d / "manifest.json").read_text())
+    m.update(changes)
+    m["files"] = {name: sha256_file(d / name) for name in ("train.npz", "test.npz")}  # consistent checksums
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def _truncate(d: Path):
+    blob = (d / "train.npz").read_bytes()
+    (d / "train.npz").write_bytes(blob[: len(blob) // 2])
+
+
+def _flip_a_bit(d: Path):
+    blob = bytearray((d / "test.npz").read_bytes())
+    blob[len(blob) // 2] ^= 1
+    (d / "test.npz").write_bytes(bytes(blob))
+
+
+def _garbage_with_matching_checksum(d: Path):
+    (d / "train.npz").write_bytes(b"PK\x03\x04 not a zip at all")
+    _set_manifest(d)
+
+
+def _empty(d: Path):
+    """A well-formed prepared directory with no training images."""
+    with np.load(d / "train.npz") as z:
+        shape = z["images"].shape[1:]
+    _rewrite_npz(d / "train.npz", images=np.zeros((0, *shape), np.uint8), labels=np.zeros(0, np.int64))
+    m = json.loads((d / "manifest.json").read_text())
+    _set_manifest(d, counts={**m["counts"], "train": [0] * m["num_classes"]})
+
+
+DATA_CASES = {
+    "missing": (lambda d: shutil.rmtree(d), "manifest.json: not found"),
+    "empty-directory": (lambda d: [f.unlink() for f in d.iterdir()], "manifest.json: not found"),
+    "empty-split": (_empty, "train.npz: the train split is empty"),
+    "manifest-not-json": (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json: unreadable"),
+    "truncated-npz": (_truncate, "train.npz: sha256 does not match manifest.json"),
+    "flipped-bit": (_flip_a_bit, "test.npz: sha256 does not match manifest.json"),
+    "not-an-npz": (_garbage_with_matching_checksum, "train.npz: not a prepared npz"),
+}
+
+
+@pytest.mark.parametrize("stage", ["train", "fit-evaluator"])
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_missing_empty_or_corrupt_data_is_one_line_and_touches_nothing(outputs, prepared, stage, case):
+    shutil.rmtree(outputs / "data")
+    shutil.copytree(prepared, outputs / "data")
+    damage, words = DATA_CASES[case]
+    damage(outputs / "data")
+    (outputs / "params.yaml").write_text(yaml.safe_dump(TINY))
+    before = snapshot(outputs)
+    result = cli(stage, "--params", "params.yaml", *STAGE_ARGS[stage])
+    assert_one_line_error(result, 1, words)
+    assert snapshot(outputs) == before
+
+
+def test_an_empty_dataset_source_is_one_line_and_keeps_the_prepared_data(outputs):
+    (outputs / "raw").mkdir()
+    (outputs / "params.yaml").write_text(yaml.safe_dump({"data": {"source": "image_folder", "root": "raw"}}))
+    before = snapshot(outputs)
+    assert_one_line_error(cli("prepare", "--params", "params.yaml", *STAGE_ARGS["prepare"]), 1, "raw: no class sub-folders")
+    assert snapshot(outputs) == before
+
+
+# --- checkpoints --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, prepared) -> Path:
+    """A finished 3-step run with a checkpoint at every step; tests damage copies of it."""
+    root = tmp_path_factory.mktemp("trained")
+    shutil.copytree(prepared, root / "data")
+    (root / "params.yaml").write_text(yaml.safe_dump(TINY))
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        assert cli("train", "--params", "params.yaml", *STAGE_ARGS["train"]).exit_code == 0
+    finally:
+        os.chdir(cwd)
+    return root
+
+
+@pytest.fixture
+def run(trained, tmp_path, monkeypatch) -> Path:
+    shutil.copytree(trained, tmp_path / "run")
+    monkeypatch.chdir(tmp_path / "run")
+    return tmp_path / "run"
+
+
+def newest(run: Path) -> Path:
+    (ckpt_dir,) = (run / "ckpt").glob("*/*")
+    return latest_checkpoint(ckpt_dir)
+
+
+class Payload:
+    """Unpickling this runs a shell command (what a malicious checkpoint would do)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _pickle_payload(path: Path):
+    state = torch.load(path, weights_only=True)
+    with open(path, "wb") as f:
+        torch.save({**state, "extra": Payload(Path.cwd() / "pwned")}, f, pickle_module=pickle)
+    path.with_suffix(".sha256").write_text(sha256_file(path) + "\n")  # even with a matching sidecar
+
+
+def _flip_a_byte(path: Path):
+    blob = bytearray(path.read_bytes())
+    blob[-100] ^= 1
+    path.write_bytes(bytes(blob))
+
+
+def _foreign(path: Path):
+    """A valid checkpoint of another run, saved in this run's place (sidecar and all)."""
+    state = torch.load(path, weights_only=True)
+    save_checkpoint({**state, "run_hash": "0123456789abcdef"}, path.parent, int(state["step"]), keep=5)
+
+
+def _not_a_training_state(path: Path):
+    save_checkpoint({"step": 3, "weights": torch.zeros(2)}, path.parent, 3, keep=5)
+
+
+CHECKPOINT_CASES = {
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "sha256 mismatch"),
+    "flipped-bit": (_flip_a_byte, "sha256 mismatch"),
+    "wrong-sidecar": (lambda p: p.with_suffix(".sha256").write_text("0" * 64 + "\n"), "sha256 mismatch"),
+    "pickle-payload": (_pickle_payload, "refused to load"),
+    "other-run": (_foreign, "belongs to run 0123456789abcdef"),
+    "not-a-training-state": (_not_a_training_state, "not a training checkpoint"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CHECKPOINT_CASES))
+def test_damaged_checkpoint_is_refused_in_one_line_and_nothing_is_touched(run, case):
+    damage, words = CHECKPOINT_CASES[case]
+    bad = newest(run)
+    damage(bad)
+    before = snapshot(run)
+    assert_one_line_error(cli("train", "--params", "params.yaml", *STAGE_ARGS["train"]), 1,
+                          f"Error: {bad.relative_to(run)}: ", words)
+    assert snapshot(run) == before
+    assert not (run / "pwned").exists()  # the payload never ran
+
+
+@pytest.mark.slow
+def test_deleting_a_refused_checkpoint_resumes_from_the_one_before_to_the_same_weights(run, trained):
+    bad = newest(run)
+    bad.write_bytes(bad.read_bytes()[:1000])
+    result = cli("train", "--params", "params.yaml", *STAGE_ARGS["train"])
+    assert "delete it to resume from an earlier checkpoint" in result.stderr
+    bad.unlink()  # as the message says
+    shutil.rmtree(run / "model")
+    assert cli("train", "--params", "params.yaml", *STAGE_ARGS["train"]).exit_code == 0
+    for name in ("model.safetensors", "ema_0.9.safetensors"):
+        assert (run / "model" / name).read_bytes() == (trained / "model" / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_second_process_training_into_the_same_run_is_refused(run):
+    (ckpt_dir,) = (run / "ckpt").glob("*/*")
+    before = snapshot(run)
+    with RunLock(ckpt_dir):  # this process is "training" into it
+        proc = subprocess.run([sys.executable, "-m", "ddpmrepro.cli", "train", "--params", "params.yaml",
+                               *STAGE_ARGS["train"]], capture_output=True, text=True, cwd=run,
+                              env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+                              timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [f"Error: {ckpt_dir.relative_to(run)}: another process is training into "
+                                        "this run directory; wait for it or stop it"]
+    assert snapshot(run) == before
+    assert [p.name for p in list_checkpoints(ckpt_dir)][-1] == "step_000000003.pt"
+
+
+def test_a_batch_larger_than_the_data_is_one_line_before_anything_is_written(outputs, prepared):
+    shutil.rmtree(outputs / "data")
+    shutil.copytree(prepared, outputs / "data")
+    (outputs / "params.yaml").write_text(yaml.safe_dump({**TINY, "train": {**TINY["train"], "batch_per_proc": 5000}}))
+    before = snapshot(outputs)
+    assert_one_line_error(cli("train", "--params", "params.yaml", *STAGE_ARGS["train"]), 1,
+                          "train.batch_per_proc=5000 is larger than this rank's 1438 training images")
+    assert snapshot(outputs) == before
