@@ -488,3 +488,62 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint_to_the_same_b
     resumed = [int(s) for s in re.findall(r"resuming from \S+ \(step (\d+)\)", text)]
     assert len(resumed) == 2 and 2 <= resumed[0] < 5 <= resumed[1] < 8, resumed
     assert_same(final_state(straight_runs(2)), final_state(run), exact=True)
+
+
+def start_and_wait_for(run: Path, data: Path, params: Path, line: str) -> subprocess.Popen:
+    """Starts `ddpmrepro train` (one process) and returns once it printed a line starting with `line`."""
+    proc = subprocess.Popen(train_cmd(run, data, params, 1), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for text in proc.stderr:
+        seen.append(text)
+        if text.startswith(line):
+            return proc
+    proc.wait()
+    raise AssertionError(f"no line {line!r}: {''.join(seen)[-3000:]}")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes_to_the_same_bits(tmp_path, prepared, straight_runs):
+    # SIGTERM (preemption) and a first Ctrl-C share one handler; the next test presses Ctrl-C.
+    import re
+    import signal
+
+    # No periodic checkpoint before the end: the one we find is the one the signal asked for.
+    params = write_params(tmp_path / "p.yaml", train={"checkpoint_every": 100})
+    run = tmp_path / "run"
+    proc = start_and_wait_for(run, prepared, params, "step 2/8")
+    proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, err
+    assert "SIGTERM received: saving a checkpoint at the end of this step" in err
+    stopped = re.search(r"^stopped at step (\d)/8; checkpoint saved in (\S+)\. Rerun the same command "
+                        r"\(or `dvc repro`\) to resume\.$", err, re.M)
+    assert stopped, err
+    assert [int(s) for s in checkpoints(run)] == [int(stopped[1])] and 2 <= int(stopped[1]) < 8
+    assert Path(stopped[2]) == next((run / "ckpt").glob("*/*"))
+    assert not (run / "model").exists()
+    run_train(run, prepared, params, nproc=1)  # "rerun the same command"
+    assert_same(final_state(straight_runs(1)), final_state(run), exact=True)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_exits_at_once_and_leaves_every_checkpoint_whole(tmp_path, prepared, straight_runs):
+    import signal
+
+    params = write_params(tmp_path / "p.yaml", train={"checkpoint_every": 1, "keep_checkpoints": 10})
+    run = tmp_path / "run"
+    proc = start_and_wait_for(run, prepared, params, "step 2/8")
+    proc.send_signal(signal.SIGINT)
+    for text in proc.stderr:
+        if text.startswith("SIGINT received"):
+            break
+    proc.send_signal(signal.SIGINT)  # at once: inside the step, or inside a checkpoint write
+    err = proc.stderr.read()
+    assert proc.wait(timeout=30) == 1 and err.strip().splitlines()[-1] == "Aborted!", err
+    assert "stopped at step" not in err
+    (ckpt_dir,) = (run / "ckpt").glob("*/*")
+    assert not [f for f in ckpt_dir.iterdir() if ".tmp." in f.name]
+    assert checkpoints(run)  # every complete checkpoint loads
+    run_train(run, prepared, params, nproc=1)
+    assert_same(final_state(straight_runs(1)), final_state(run), exact=True)
