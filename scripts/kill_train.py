@@ -3,14 +3,20 @@ that the result is bitwise identical to an uninterrupted run and that no checkpo
 left corrupt.
 
     PYTHONPATH=src python scripts/kill_train.py --kills 10 --nproc 1 --json benchmarks/results/kill_train.json
+    PYTHONPATH=src python scripts/kill_train.py --stage sample --kills 10 --nproc 1
 
 Checkpoints are written every step, so many kills land during a write. After every kill each
 complete checkpoint (data file + sha256 sidecar) must verify and load; a data file without a
 sidecar (a kill between the two writes) must be ignored by the resume.
+
+`--stage sample` kills `ddpmrepro sample` instead (every other kill just after it began writing
+its output): after each kill the output directory must hold the earlier output, the complete new
+one, or nothing, never a partial one; the final rerun must equal an uninterrupted run bitwise.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
@@ -20,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 
@@ -137,14 +144,118 @@ def main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = 
     return result
 
 
+# --- sampling --------------------------------------------------------------------------------------
+
+SAMPLE = {"ema_rate": 0.99, "per_class": 50, "respacing": "", "batch_size": 100}  # 500 images, 10 steps
+
+
+def sample_command(root: Path, out: Path, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "ddpmrepro.cli", "sample", "--params", str(root / "params.yaml"),
+            "--model", str(root / "trained" / "model"), "--out", str(out), "--nproc", str(nproc)]
+
+
+def comparable(out: Path) -> dict:
+    """The output's files; samples.npz as its arrays (the zip records write times). Raises when
+    samples.npz is unreadable, i.e. half-written."""
+    files = {f.name: f.read_bytes() for f in out.iterdir()}
+    with np.load(io.BytesIO(files.pop("samples.npz"))) as z:
+        files.update({f"samples.npz:{k}": (z[k].dtype.str, z[k].shape, z[k].tobytes()) for k in z.files})
+    return files
+
+
+def output_state(out: Path, earlier: dict[str, bytes], complete: dict) -> str:
+    """What a reader finds in the output directory: 'absent', 'earlier' or 'complete'; anything
+    else (a partial or mixed output) raises."""
+    if not out.exists():
+        return "absent"
+    if {f.name: f.read_bytes() for f in out.iterdir()} == earlier:
+        return "earlier"
+    try:
+        if comparable(out) == complete:
+            return "complete"
+    except Exception as e:  # a missing or truncated samples.npz
+        raise AssertionError(f"{out}: a half-written output ({type(e).__name__}: {e})") from None
+    raise AssertionError(f"{out}: neither the earlier output nor the complete new one: {sorted(os.listdir(out))}")
+
+
+def kill_sampling(root: Path, out: Path, nproc: int, kills: int, full_seconds: float, rng: random.Random,
+                  earlier: dict, complete: dict) -> dict:
+    """Launch after launch, SIGKILLs `ddpmrepro sample`: every other kill just after it began
+    writing its output (the temp directory beside OUT appears), the others at a random moment of
+    its run; after each kill, checks what the output directory holds."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    moments, states, launches = [], [], 0
+    while len(moments) < kills and launches < 3 * kills:
+        launches += 1
+        started = time.time()
+        proc = subprocess.Popen(sample_command(root, out, nproc), env=env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        if len(moments) % 2 == 0:  # a temp dir left by an earlier kill is older than this launch
+            while proc.poll() is None and not (tmp.exists() and tmp.stat().st_mtime >= started):
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0.0, 0.01))  # the whole write takes milliseconds
+        else:
+            time.sleep(rng.uniform(0.0, full_seconds))
+        if proc.poll() is None:
+            writing = tmp.exists() and tmp.stat().st_mtime >= started
+            kill_tree(proc)
+            moments.append(f"{time.time() - started:.2f}s{' (writing)' if writing else ''}")
+        elif proc.returncode != 0:
+            raise RuntimeError(f"sampling failed (exit {proc.returncode}) after {len(moments)} kills")
+        states.append(output_state(out, earlier, complete))  # after a kill, or a run that ended first
+    return {"kills": len(moments), "launches": launches + 1, "kill_moments": moments,
+            "output_after_each_launch": states}
+
+
+def train_in_process(raw: dict, data: Path, run: Path) -> None:
+    """The model to sample from (in this process: it only has to exist, and a launch costs seconds)."""
+    from ddpmrepro.params import from_dict
+    from ddpmrepro.train import TrainPaths, train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only spin
+    try:
+        train(from_dict(raw), TrainPaths(data, run / "model", run / "live", run / "introspect", run / "ckpt"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sample_main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = None) -> dict:
+    rng = random.Random(seed)
+    root = Path(workdir or tempfile.mkdtemp(prefix="kill_sample_"))
+    data = root / "data"
+    if not data.exists():
+        prepare(DataParams(), data)
+    raw = {k: dict(v) for k, v in PARAMS.items()}
+    raw["train"].update(steps=3)
+    raw["sample"] = {**SAMPLE, "nproc": nproc}
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    train_in_process(raw, data, root / "trained")
+    t0 = time.time()
+    subprocess.run(sample_command(root, root / "straight", nproc), env=env(), check=True, capture_output=True)
+    full_seconds = time.time() - t0
+    # An earlier output in place, as a rerun after changed params finds it.
+    out = root / "killed" / "samples"
+    out.mkdir(parents=True)
+    for name in ("samples.npz", "grid.png", "params.yaml"):
+        (out / name).write_bytes(f"an earlier {name}".encode())
+    earlier, complete = {f.name: f.read_bytes() for f in out.iterdir()}, comparable(root / "straight")
+    killed = kill_sampling(root, out, nproc, kills, full_seconds, rng, earlier, complete)
+    subprocess.run(sample_command(root, out, nproc), env=env(), check=True, capture_output=True)
+    return {**killed, "nproc": nproc, "uninterrupted_seconds": round(full_seconds, 1),
+            "final": output_state(out, earlier, complete), "bitwise_identical": comparable(out) == complete,
+            "seconds": round(time.time() - t0, 1)}
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=("train", "sample"), default="train")
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    res = main(args.kills, args.nproc, args.seed)
+    res = (main if args.stage == "train" else sample_main)(args.kills, args.nproc, args.seed)
     print(json.dumps(res, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -261,7 +261,7 @@ def test_an_empty_dataset_source_is_one_line_and_keeps_the_prepared_data(outputs
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, prepared) -> Path:
+def trained(tmp_path_factory, prepared, one_thread) -> Path:
     """A finished 3-step run with a checkpoint at every step; tests damage copies of it."""
     root = tmp_path_factory.mktemp("trained")
     shutil.copytree(prepared, root / "data")
@@ -344,7 +344,7 @@ def test_damaged_checkpoint_is_refused_in_one_line_and_nothing_is_touched(run, c
 
 
 @pytest.mark.slow
-def test_deleting_a_refused_checkpoint_resumes_from_the_one_before_to_the_same_weights(run, trained):
+def test_deleting_a_refused_checkpoint_resumes_from_the_one_before_to_the_same_weights(run, trained, one_thread):
     bad = newest(run)
     bad.write_bytes(bad.read_bytes()[:1000])
     result = cli("train", "--params", "params.yaml", *STAGE_ARGS["train"])

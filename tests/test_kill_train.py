@@ -18,3 +18,16 @@ def test_random_kills_resume_to_the_same_bits(tmp_path):
     assert all(at >= t for at, t in zip(result["last_checkpoint_at_each_kill"], result["kill_after_steps"]))
     assert result["bitwise_identical"] is True
     assert result["checkpoints_after"][-1] == result["steps"]
+
+
+@pytest.mark.slow
+def test_random_kills_of_sampling_never_leave_a_partial_output(tmp_path):
+    spec = importlib.util.spec_from_file_location("kill_train", SCRIPT)
+    kill_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kill_train)
+    result = kill_train.sample_main(kills=2, nproc=1, seed=1, workdir=tmp_path)
+    assert result["kills"] == 2
+    assert result["kill_moments"][0].endswith("(writing)")  # the first kill lands while the output is written
+    # after each kill: the earlier output or the complete new one, never a partial one (output_state raises)
+    assert set(result["output_after_each_launch"]) <= {"earlier", "complete", "absent"}
+    assert result["final"] == "complete" and result["bitwise_identical"] is True
