@@ -51,3 +51,20 @@ def test_missing_prepared_data_is_one_clear_line(tmp_path):
 def test_info_lists_presets():
     out = CliRunner().invoke(main, ["info", "--presets"]).output
     assert "ddpm-cifar10" in out and "iddpm-cifar10" in out and "tiny" in out
+
+
+@pytest.mark.parametrize("args, expected", [([], "--max-restarts=2"), (["--max-restarts", "0"], "--max-restarts=0")])
+def test_max_restarts_comes_from_params_or_the_command_line_and_goes_to_torchrun_only(tmp_path, monkeypatch, args,
+                                                                                      expected):
+    from ddpmrepro import launch
+
+    params = tmp_path / "params.yaml"
+    params.write_text("train: {nproc: 2, max_restarts: 2, device: cpu}\n")
+    argv = ["train", "--params", str(params), *args]
+    launched = []
+    monkeypatch.setattr(launch, "run_launcher", lambda cmd: launched.append(cmd) or 0)  # record, start nothing
+    monkeypatch.setattr(sys, "argv", ["ddpmrepro", *argv])
+    assert CliRunner().invoke(main, argv).exit_code == 0
+    (cmd,) = launched
+    workers = cmd[cmd.index("ddpmrepro.cli"):]
+    assert expected in cmd and not [a for a in workers if a.startswith("--max-restarts")]
