@@ -197,9 +197,9 @@ def kill_sampling(root: Path, out: Path, nproc: int, kills: int, full_seconds: f
         else:
             time.sleep(rng.uniform(0.0, full_seconds))
         if proc.poll() is None:
-            writing = tmp.exists() and tmp.stat().st_mtime >= started
+            moment, writing = time.time() - started, tmp.exists() and tmp.stat().st_mtime >= started
             kill_tree(proc)
-            moments.append(f"{time.time() - started:.2f}s{' (writing)' if writing else ''}")
+            moments.append(f"{moment:.2f}s{' (writing)' if writing else ''}")
         elif proc.returncode != 0:
             raise RuntimeError(f"sampling failed (exit {proc.returncode}) after {len(moments)} kills")
         states.append(output_state(out, earlier, complete))  # after a kill, or a run that ended first
