@@ -23,3 +23,25 @@ def test_warmup_decay():
     assert ema_decay(0.9999, 0, warmup=True) == 0.1
     assert ema_decay(0.9999, 10**7, warmup=True) == 0.9999
     assert ema_decay(0.9999, 0, warmup=False) == 0.9999
+
+
+def test_a_reused_updater_follows_in_place_updates_and_loaded_weights():
+    """The loop resolves the live tensors once; optimizer steps and load_state_dict must still show."""
+    from ddpmrepro.ema import EmaUpdater
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # with buffers
+    ema, ref = init_ema(model), init_ema(model)
+    updater = EmaUpdater(ema, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        model(torch.randn(8, 3)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:  # as on resume: weights replaced in place
+            model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()})
+        updater(0.5)
+        update_ema(ref, model, 0.5)  # resolves the tensors afresh each time
+    for k in ema:
+        assert torch.equal(ema[k], ref[k]), k
+    assert not torch.equal(ema["0.weight"], init_ema(model)["0.weight"])

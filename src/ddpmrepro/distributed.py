@@ -16,11 +16,18 @@ def in_launch() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+_CONTROL_GROUP = None  # gloo group for host-side flags when the default group is NCCL
+
+
 def init(device_type: str) -> None:
     """Joins the process group (NCCL on GPUs, gloo on CPU) when launched by torchrun."""
+    global _CONTROL_GROUP
     if in_launch() and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
+        # Host-side flags (the per-step stop request) go over gloo: an NCCL all-reduce of a CUDA
+        # tensor read back with .item() would make the host wait for the GPU at every step.
+        _CONTROL_GROUP = dist.new_group(backend="gloo") if backend == "nccl" else None
 
 
 def rank() -> int:
@@ -44,21 +51,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def comm_device() -> torch.device:
-    """Where collective tensors must live: CUDA for NCCL, CPU for gloo."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def all_reduce_max(x: float) -> float:
+    """The maximum of a host value over ranks, on the host (gloo), without touching the GPU."""
     if not dist.is_initialized():
         return x
-    t = torch.tensor([x], dtype=torch.float64, device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
     return float(t.item())
 
 
 def cleanup() -> None:
+    global _CONTROL_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
+    _CONTROL_GROUP = None

@@ -104,7 +104,8 @@ class LossSecondMomentSampler(UniformSampler):
 
 
 def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gathers (t, loss) from every rank, in global-batch order; identity without a group.
+    """All-gathers (t, loss) from every rank, in global-batch order, on their device; identity
+    without a group.
 
     Rank r holds the examples r, r + W, r + 2W, ... of the global batch (DistributedSampler),
     so interleaving the gathered rows restores the order one process with the whole batch
@@ -112,12 +113,38 @@ def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Ten
     """
     t, losses = t.detach(), losses.detach().float()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return t.cpu(), losses.cpu()
+        return t, losses
     ts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     ls = [torch.empty_like(losses) for _ in range(dist.get_world_size())]
     dist.all_gather(ts, t)
     dist.all_gather(ls, losses)
-    return torch.stack(ts, 1).reshape(-1).cpu(), torch.stack(ls, 1).reshape(-1).cpu()
+    return torch.stack(ts, 1).reshape(-1), torch.stack(ls, 1).reshape(-1)
+
+
+class PendingUpdate:
+    """One microbatch's (t, loss), gathered over ranks, on their way to the host.
+
+    `update` runs on the host; calling `.cpu()` right after the forward pass would stall the host
+    until the GPU got there, once per step. Instead the copy is queued (pinned memory, non-blocking)
+    and `apply_to` runs just before the next draw, when the GPU has long finished it. The sampler
+    sees exactly the same updates in the same order, so results do not change.
+    """
+
+    def __init__(self, t: torch.Tensor, losses: torch.Tensor):
+        t, losses = gather_for_sampler(t, losses)
+        self.event = None
+        if t.device.type == "cuda":
+            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            self.losses = torch.empty(losses.shape, dtype=losses.dtype, pin_memory=True).copy_(losses, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.t, self.losses = t.cpu(), losses.cpu()
+
+    def apply_to(self, sampler: UniformSampler) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        sampler.update(self.t, self.losses)
 
 
 def create_sampler(name: str, num_timesteps: int) -> UniformSampler:

@@ -33,9 +33,9 @@ from . import distributed as D
 from . import introspect
 from .data import load_prepared, to_model_range
 from .diffusion import from_params as diffusion_from_params
-from .ema import ema_decay, init_ema, update_ema
+from .ema import EmaUpdater, ema_decay, init_ema
 from .params import Params
-from .timestep_sampler import create_sampler, gather_for_sampler
+from .timestep_sampler import PendingUpdate, create_sampler
 from .unet import build_unet
 
 log = logging.getLogger("ddpmrepro.train")
@@ -179,8 +179,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     diffusion = diffusion_from_params(params.diffusion)
     raw_model = build_unet(params.model, image_size=manifest["image_size"], in_channels=manifest["channels"],
                            num_classes=num_classes, learn_sigma=params.diffusion.variance == "learned_range").to(device)
+    # One fused kernel per step on GPUs; the multi-tensor (foreach) path elsewhere.
     opt = torch.optim.AdamW(raw_model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
-                            foreach=True)
+                            **({"fused": True} if device.type == "cuda" else {"foreach": True}))
     scaler = torch.amp.GradScaler(device.type, enabled=p.precision == "fp16")
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(p.precision)
     emas = {rate: init_ema(raw_model) for rate in p.ema_rates}
@@ -221,6 +222,14 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             if main:
                 log.info("resuming from %s (step %d)", latest, start_step)
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else raw_model
+        ema_updaters = {rate: EmaUpdater(ema, raw_model) for rate, ema in emas.items()}
+        # Sampler updates whose losses are still being copied to the host: applied just before the
+        # next draw (and before a checkpoint), so the GPU is never waited for inside a step.
+        pending_updates: list[PendingUpdate] = []
+
+        def apply_pending_updates():
+            while pending_updates:
+                pending_updates.pop(0).apply_to(sampler)
 
         # Data order: DistributedSampler shards a per-epoch permutation of (seed, epoch) over ranks.
         order = DistributedSampler(range(len(images)), num_replicas=world, rank=rank, shuffle=True,
@@ -249,6 +258,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             y = labels[idx]
             # Classifier-free guidance: replace some labels by the null class.
             y = torch.where(u[:, 0] < p.label_dropout, torch.full_like(y, num_classes), y)
+            apply_pending_updates()
             t, weights = sampler.sample_from_uniform(u[:, 2])
             return x0, y, t, weights, noise
 
@@ -296,6 +306,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Accumulate gradients over microbatches; only the last one all-reduces.
                 for micro in range(p.grad_accum):
                     x0, y, t, weights, noise = microbatch(step * p.grad_accum + micro)
+                    if device.type == "cuda":  # pinned host memory: the copies do not block the host
+                        x0, y, t, weights, noise = (v.pin_memory() for v in (x0, y, t, weights, noise))
                     x0, y, t, weights, noise = (v.to(device, non_blocking=True) for v in (x0, y, t, weights, noise))
 
                     def model_fn(x, tt, y=y):
@@ -306,16 +318,18 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     sync = contextlib.nullcontext() if (micro == p.grad_accum - 1 or world == 1) else model.no_sync()
                     with sync:
                         losses = diffusion.training_losses(model_fn, x0, t, noise=noise)
+                        if p.timestep_sampler != "uniform":  # queued now, applied before the next draw
+                            pending_updates.append(PendingUpdate(t, losses["loss"]))
                         loss = (losses["loss"] * weights).mean() / p.grad_accum
                         scaler.scale(loss).backward()
-                    if p.timestep_sampler != "uniform":
-                        sampler.update(*gather_for_sampler(t, losses["loss"]))
                     with torch.no_grad():
-                        stats += torch.stack([losses["loss"].sum(), losses["mse"].sum(), losses["vb"].sum(),
-                                                  torch.tensor(float(len(t)), device=device)]).double()
+                        # Log sums over finite losses only (a skipped NaN step would poison the window's mean).
+                        ok = torch.isfinite(losses["loss"])
+                        finite = [torch.where(ok, losses[k].detach(), 0.0) for k in ("loss", "mse", "vb")]
+                        stats += torch.stack([f.sum().double() for f in finite] + [ok.sum().double()])
                         q = (t * 4 // diffusion.num_timesteps).clamp(max=3)
-                        quart[0].index_add_(0, q, losses["loss"].detach().double())
-                        quart[1].index_add_(0, q, torch.ones_like(q, dtype=torch.float64))
+                        quart[0].index_add_(0, q, finite[0].double())
+                        quart[1].index_add_(0, q, ok.double())
 
                 # Unscale, measure, clip, step; an fp16 overflow step is skipped by the scaler.
                 scaler.unscale_(opt)
@@ -347,8 +361,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                         log.warning("step %d: non-finite gradient norm under %s; update skipped (%d so far)",
                                     step + 1, p.precision, skipped_steps)
                 else:
-                    for rate, ema in emas.items():
-                        update_ema(ema, raw_model, ema_decay(rate, ema_updates, p.ema_warmup))
+                    for rate, update in ema_updaters.items():
+                        update(ema_decay(rate, ema_updates, p.ema_warmup))
                     ema_updates += 1
 
                 if recording:
@@ -377,7 +391,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     s, qs = stats.cpu().tolist(), quart.cpu().tolist()
                     now = time.perf_counter()
                     summary = {
-                        "step": done, "loss": s[0] / s[3], "mse": s[1] / s[3], "vb": s[2] / s[3],
+                        "step": done, **{k: s[i] / s[3] if s[3] else math.nan for i, k in enumerate(("loss", "mse", "vb"))},
                         **{f"loss_q{i}": qs[0][i] / qs[1][i] for i in range(4) if qs[1][i]},
                         "grad_norm": float(total_norm), "lr": lr_at(step, p), "loss_scale": loss_scale,
                         "skipped_steps": skipped_steps, "images_per_sec": imgs_since / (now - t_last),
@@ -394,6 +408,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
 
                 # Checkpoint atomically every k steps, at the end, and when asked to stop.
                 if save_now:
+                    apply_pending_updates()
                     state = {
                         "step": done, "model": raw_model.state_dict(), "optimizer": opt.state_dict(),
                         "scaler": scaler.state_dict(), "ema": {str(r): e for r, e in emas.items()},
