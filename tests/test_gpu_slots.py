@@ -110,6 +110,28 @@ def test_a_killed_job_frees_its_gpus(env, jobs):
     assert len(b.gpus()) == 3
 
 
+LAUNCHING_JOB = """
+import os, sys
+from ddpmrepro import gpu_slots, launch
+gpu_slots.acquire(2, device_count=2, poll_s=0.05)
+launch.run_launcher([sys.executable, "-c", "import os, time; print('CHILD', os.getpid(), flush=True); time.sleep(120)"])
+"""
+
+
+def test_the_launched_torchrun_keeps_the_gpus_if_only_the_launcher_is_killed(env, jobs):
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCHING_JOB], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    child = int(parent.stdout.readline().split()[1])
+    try:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        other = start(jobs, env, 1, count=2, timeout=0.3)
+        assert other.proc.wait(timeout=20) == 3, other.proc.stdout.read()  # the orphaned child holds both
+    finally:
+        os.kill(child, signal.SIGKILL)
+    assert start(jobs, env, 2, count=2).gpus() == {"0", "1"}
+
+
 def test_timeout_names_the_busy_gpus_and_their_holder(env, jobs):
     a = start(jobs, env, 2, count=2)
     a.gpus()

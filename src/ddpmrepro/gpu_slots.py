@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 _HELD: list[int] = []  # open lock-file descriptors: the locks live as long as they stay open
 
 
+def held_fds() -> tuple[int, ...]:
+    """The lock-file descriptors this process holds (a launched child inherits them)."""
+    return tuple(_HELD)
+
+
 class GpuSlotsError(RuntimeError):
     """More GPUs asked for than there are, or no free set within the timeout (one line)."""
 

@@ -144,4 +144,8 @@ def run_launcher(cmd: list[str]) -> int:
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
-    return subprocess.call(cmd, env=env)
+    # The launcher inherits our GPU-slot locks (flock belongs to the open file, not the process):
+    # if this process is killed while torchrun's workers keep running, their GPUs stay claimed.
+    from .gpu_slots import held_fds
+
+    return subprocess.call(cmd, env=env, pass_fds=held_fds())
