@@ -5,7 +5,8 @@
 
 Both the wall time and the main thread's CPU time of each step are measured; with --threads 1
 (default) the CPU time is the whole step's work and is robust to other processes on the machine.
-Modes, timed interleaved (mode A block, mode B block, ... repeated) and compared by medians:
+Modes, timed in rounds (one short block of each mode, in random order) and compared by the median
+over rounds of the ratio to `none` in the same round:
   none    the same model with the activation hooks removed
   off     recorders attached but never armed (the cost on steps that are not logged)
   params  ParamGradRecorder + TableWriter every step (target <= 3 % over `none`)
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -101,20 +103,38 @@ def time_modes(batch: int, steps: int, repeats: int, warmup: int, tmp: Path) -> 
         h.set_hooks(m != "none")
         for _ in range(warmup):
             h.step(m)
+    # Short blocks, every mode once per round in a fresh random order, and the overhead as the
+    # median over rounds of (mode / none) within the round: this VM's speed drifts by 10-20% over
+    # minutes, which per-mode medians of long blocks mistook for overhead.
+    rng = random.Random(0)
+    rounds: list[dict[str, tuple[float, float]]] = []
     for _ in range(repeats):
-        for m in MODES:
+        order = list(MODES)
+        rng.shuffle(order)
+        block = {}
+        for m in order:
             h.set_hooks(m != "none")
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(steps):
-                t0, c0 = time.perf_counter(), time.thread_time()
                 h.step(m)
-                times[m].append(time.perf_counter() - t0)
-                cpu[m].append(time.thread_time() - c0)
+            block[m] = ((time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps)
+            times[m].append(block[m][0])
+            cpu[m].append(block[m][1])
+        rounds.append(block)
     h.close()
-    base, cbase = statistics.median(times["none"]), statistics.median(cpu["none"])
-    return {m: {"median_ms": 1e3 * statistics.median(v), "overhead_pct": 100 * (statistics.median(v) / base - 1),
-                "cpu_median_ms": 1e3 * statistics.median(cpu[m]),
-                "cpu_overhead_pct": 100 * (statistics.median(cpu[m]) / cbase - 1),
-                "steps": len(v)} for m, v in times.items()}
+
+    def paired(m: str, i: int) -> float:
+        return 100 * (statistics.median(r[m][i] / r["none"][i] for r in rounds) - 1)
+
+    return {m: {"median_ms": 1e3 * statistics.median(v), "overhead_pct": paired(m, 0),
+                "cpu_median_ms": 1e3 * statistics.median(cpu[m]), "cpu_overhead_pct": paired(m, 1),
+                "overhead_pct_iqr": _iqr([100 * (r[m][0] / r["none"][0] - 1) for r in rounds]),
+                "steps": steps * len(v)} for m, v in times.items()}
+
+
+def _iqr(xs: list[float]) -> list[float]:
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], q[2]]
 
 
 def memory_run(batch: int, steps: int, warmup: int, tmp: Path) -> dict:
@@ -141,8 +161,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 32, fewer steps, 300-step memory run at batch 16")
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    ap.add_argument("--repeats", type=int, default=8, help="interleaved blocks per mode")
+    ap.add_argument("--steps", type=int, default=2, help="steps per timed block")
+    ap.add_argument("--repeats", type=int, default=40, help="rounds (one block of every mode, random order)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--mem-steps", type=int, default=2000)
     ap.add_argument("--mem-batch", type=int, default=128)
@@ -152,7 +172,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/introspect_overhead.json"))
     a = ap.parse_args()
     if a.quick:
-        a.batch, a.steps, a.repeats, a.mem_steps, a.mem_batch = 32, 5, 6, 300, 16
+        a.batch, a.steps, a.repeats, a.mem_steps, a.mem_batch = 32, 2, 10, 300, 16
     if a.threads:
         torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as d:
