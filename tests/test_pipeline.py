@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+
+from project_copy import copy_project
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
@@ -30,7 +31,6 @@ TINY = {
     "evaluator": {"epochs": 1},
     "evaluate": {"bpd_images": 4},
 }
-PROJECT_FILES = ["src", "dvc.yaml", "Snakefile", "workflow", "profiles", ".dvcignore", ".gitignore", "pyproject.toml"]
 
 pytestmark = pytest.mark.slow
 
@@ -64,12 +64,7 @@ def ran_stages(output: str) -> set[str]:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("e2e")
-    for name in PROJECT_FILES:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
-        else:
-            shutil.copy2(src, repo / name)
+    copy_project(repo)
     params = deep_update(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     run(repo, "git", "init", "-q", "-b", "main")

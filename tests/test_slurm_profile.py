@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from project_copy import copy_project
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
-PROJECT_FILES = ["src", "dvc.yaml", "Snakefile", "workflow", "profiles", ".dvcignore", ".gitignore", "pyproject.toml",
-                 "params.yaml"]
 SBATCH = f"""#!{sys.executable}
 import json, os, sys
 with open(os.environ["FAKE_SBATCH_LOG"], "a") as f:
@@ -47,12 +47,7 @@ def repo(tmp_path_factory) -> Path:
     """The project with every stage's outputs present and recorded, so that changing a param makes
     exactly the stages that read it runnable (placeholders: no stage ever runs here)."""
     repo = tmp_path_factory.mktemp("slurm")
-    for name in PROJECT_FILES:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
-        else:
-            shutil.copy2(src, repo / name)
+    copy_project(repo, extra=("params.yaml",))
     run(repo, "git", "init", "-q", "-b", "main")
     run(repo, "dvc", "init", "-q")
     place_outputs(repo)
