@@ -13,7 +13,6 @@ Writes benchmarks/results/growth[-<tag>].json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from ddpmrepro.data import prepare
 from ddpmrepro.unet import PRESETS, build_unet
 
 from train_step import run_ddpmrepro  # noqa: E402  (benchmarks/ is the script's own directory)
+from results_io import command_line, write_result
 
 
 def train_flops_per_image(preset: str, size: int, channels: int, classes: int = 10) -> tuple[int, int]:
@@ -71,17 +71,14 @@ def main() -> None:
                       f"GFLOP/img {ips:9.1f} img/s  step {r['step_seconds']:.3f}s  {achieved / 1e9:7.1f} GFLOP/s",
                       flush=True)
     result = {
-        "command": "PYTHONPATH=src python benchmarks/growth.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"),
+        "command": command_line("growth.py", a),
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(), "precision": a.precision,
         "batch": a.batch, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.machine(), "rows": rows,
     }
     tag = "" if a.device == "cpu" else f"-{a.device}-{a.precision}"
     out = a.out or Path(f"benchmarks/results/growth{tag}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"-> {out}")
+    write_result(result, out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ depend on them. Writes benchmarks/results/sample_speed[-<tag>].json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -26,6 +25,7 @@ from ddpmrepro import params as P
 from ddpmrepro.diffusion import from_params
 from ddpmrepro.sample import generate
 from ddpmrepro.unet import PRESETS, build_unet
+from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
 
 SAMPLERS = {"ddim50": ("ddim", "ddim50"), "ddpm1000": ("ddpm", "")}
 
@@ -102,8 +102,7 @@ def main() -> None:
         print(f"{name}: {n} images, {steps} steps, forward batch {doubled}: ddpmrepro {n / med['ddpmrepro']:.1f} img/s, "
               f"bare UNet {n / med['bare']:.1f} img/s, overhead {results[name]['overhead_pct']:+.1f}%", flush=True)
     result = {
-        "command": "PYTHONPATH=src python benchmarks/sample_speed.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("quick", "out")),
+        "command": command_line("sample_speed.py", a, skip=("quick", "out")),
         "preset": a.preset, "image": list(shape), "guidance": a.guidance,
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
@@ -112,9 +111,7 @@ def main() -> None:
     }
     tag = "" if (a.device, a.preset) == ("cpu", "tiny") else f"-{a.device}-{a.preset}"
     out = a.out or Path(f"benchmarks/results/sample_speed{tag}{'-quick' if a.quick else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"-> {out}")
+    write_result(result, out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ target is ddpmrepro / plain <= 1.05 in step time. Writes benchmarks/results/trai
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from ddpmrepro import params as P
 from ddpmrepro.data import load_prepared, prepare, to_model_range
 from ddpmrepro.unet import PRESETS, build_unet
+from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
 
 
 def sync(device: torch.device) -> None:
@@ -191,8 +191,7 @@ def main() -> None:
     med = {m: statistics.median(v) for m, v in rates.items()}
     base = med.get("plain")
     result = {
-        "command": "PYTHONPATH=src python benchmarks/train_step.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("quick", "out")),
+        "command": command_line("train_step.py", a, skip=("quick", "out")),
         "preset": a.preset, "image": [a.channels, a.image_size, a.image_size], "batch": a.batch,
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(), "precision": a.precision,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
@@ -203,14 +202,12 @@ def main() -> None:
     }
     tag = "" if (a.device, a.preset) == ("cpu", "tiny") else f"-{a.device}-{a.preset}-{a.precision}"
     out = a.out or Path(f"benchmarks/results/train_step{tag}{'-quick' if a.quick else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, out)
     print(f"{a.preset} {a.channels}x{a.image_size}x{a.image_size}, batch {a.batch}, {a.device} {a.precision}, "
           f"{result['threads']} threads; medians of {a.repeats} blocks of {a.steps} steps")
     for m in med:
         ratio = f"{base / med[m]:.3f}" if base else "-"
         print(f"  {m:14} {med[m]:8.1f} img/s   step time / plain {ratio}")
-    print(f"-> {out}")
 
 
 if __name__ == "__main__":
