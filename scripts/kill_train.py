@@ -122,12 +122,18 @@ def same_result(a: Path, b: Path) -> bool:
     return True
 
 
-def main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = None) -> dict:
-    rng = random.Random(seed)
-    root = Path(workdir or tempfile.mkdtemp(prefix="kill_train_"))
+def _workdir_with_data(workdir: Path | None, prefix: str) -> tuple[Path, Path]:
+    """The work directory (a new temp one by default) and the prepared digits inside it."""
+    root = Path(workdir or tempfile.mkdtemp(prefix=prefix))
     data = root / "data"
     if not data.exists():
         prepare(DataParams(), data)
+    return root, data
+
+
+def main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = None) -> dict:
+    rng = random.Random(seed)
+    root, data = _workdir_with_data(workdir, "kill_train_")
     raw = {k: dict(v) for k, v in PARAMS.items()}
     raw["train"].update(nproc=nproc, batch_per_proc=16 // nproc)
     params = root / "params.yaml"
@@ -222,10 +228,7 @@ def train_in_process(raw: dict, data: Path, run: Path) -> None:
 
 def sample_main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = None) -> dict:
     rng = random.Random(seed)
-    root = Path(workdir or tempfile.mkdtemp(prefix="kill_sample_"))
-    data = root / "data"
-    if not data.exists():
-        prepare(DataParams(), data)
+    root, data = _workdir_with_data(workdir, "kill_sample_")
     raw = {k: dict(v) for k, v in PARAMS.items()}
     raw["train"].update(steps=3)
     raw["sample"] = {**SAMPLE, "nproc": nproc}

@@ -7,11 +7,17 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kill_train.py"
 
 
-@pytest.mark.slow
-def test_random_kills_resume_to_the_same_bits(tmp_path):
+@pytest.fixture(scope="module")
+def kill_train():
+    """scripts/kill_train.py as a module (scripts/ is not a package)."""
     spec = importlib.util.spec_from_file_location("kill_train", SCRIPT)
-    kill_train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kill_train)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_random_kills_resume_to_the_same_bits(tmp_path, kill_train):
     result = kill_train.main(kills=3, nproc=1, seed=1, workdir=tmp_path)
     assert result["kills"] == 3 and result["launches"] == 4
     # each kill came after training had passed its target step
@@ -21,10 +27,7 @@ def test_random_kills_resume_to_the_same_bits(tmp_path):
 
 
 @pytest.mark.slow
-def test_random_kills_of_sampling_never_leave_a_partial_output(tmp_path):
-    spec = importlib.util.spec_from_file_location("kill_train", SCRIPT)
-    kill_train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kill_train)
+def test_random_kills_of_sampling_never_leave_a_partial_output(tmp_path, kill_train):
     result = kill_train.sample_main(kills=2, nproc=1, seed=1, workdir=tmp_path)
     assert result["kills"] == 2
     assert result["kill_moments"][0].endswith("(writing)")  # the first kill lands while the output is written
