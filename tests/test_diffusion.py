@@ -238,16 +238,6 @@ def from_params_ddim(n, T=1000, schedule="linear", **kw):
     return D.from_params(DiffusionParams(timesteps=T, schedule=schedule, **kw), respacing=f"ddim{n}")
 
 
-def test_space_timesteps():
-    assert D.space_timesteps(1000, "ddim50") == set(range(0, 1000, 20))
-    assert D.space_timesteps(100, "10") == set(range(0, 100, 11))
-    steps = sorted(D.space_timesteps(300, "10,15,20"))
-    assert len(steps) == 45 and steps[0] == 0 and steps[-1] == 299
-    assert [s for s in steps if s < 100] == [round(i * 99 / 9) for i in range(10)]
-    with pytest.raises(ValueError):
-        D.space_timesteps(1000, "ddim999")
-
-
 @pytest.mark.parametrize("respacing,n", [("ddim50", 50), ("ddim25", 25), ("10,15,20", 45), ("", 1000)])
 def test_respacing_keeps_alpha_bar_at_kept_steps(respacing, n):
     p = DiffusionParams(timesteps=1000, schedule="cosine")

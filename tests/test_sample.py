@@ -70,3 +70,18 @@ def test_a_different_seed_gives_different_images(trained):
     cli("sample", "--params", b, "--model", "model", "--out", "seed1", cwd=trained)
     assert not np.array_equal(np.load(trained / "seed0/samples.npz")["images"],
                               np.load(trained / "seed1/samples.npz")["images"])
+
+
+def test_a_respacing_the_trained_model_cannot_take_names_the_key_and_the_models_t(trained):
+    # params.yaml says 1000 timesteps (ddim50 is fine there) but the model was trained with 20.
+    raw = {k: dict(v) for k, v in SMALL.items()}
+    raw["diffusion"]["timesteps"], raw["sample"]["respacing"] = 1000, "ddim50"
+    (trained / "t1000.yaml").write_text(yaml.safe_dump(raw))
+    proc = subprocess.run([sys.executable, "-m", "ddpmrepro.cli", "sample", "--params", "t1000.yaml", "--model",
+                           "model", "--out", "never"], cwd=trained, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "Error: sample.respacing: 'ddim50': no integer stride takes exactly 50 of 20 steps (range(0, 20, i) for "
+        "some i < 20); nearest possible: 'ddim20' (the model in model has 20 timesteps)"]
+    assert not (trained / "never").exists()

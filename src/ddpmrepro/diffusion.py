@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .respace import space_timesteps  # the kept steps (pure Python, shared with params validation)
+
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -71,38 +73,6 @@ def get_beta_schedule(name: str, num_timesteps: int) -> np.ndarray:
             dtype=np.float64,
         )
     raise ValueError(f"unknown beta schedule {name!r}; choose linear or cosine")
-
-
-def space_timesteps(num_timesteps: int, section_counts: str | Sequence[int]) -> set[int]:
-    """The timesteps kept by a respaced sampler (IDDPM `space_timesteps`).
-
-    - "ddimN": the even stride i (smallest first) for which range(0, T, i) has exactly N steps,
-      as in the DDIM paper; ValueError if no stride gives exactly N.
-    - "10,15,20" (or a list): split [0, T) into that many near-equal sections (the first T mod k
-      one longer) and take that many evenly spaced steps (rounded) from each, ends included.
-
-    :param num_timesteps: T of the original process.
-    :param section_counts: as above.
-    :return: the set of kept original timestep indices.
-    """
-    if isinstance(section_counts, str):
-        if section_counts.startswith("ddim"):
-            desired = int(section_counts[len("ddim"):])
-            for stride in range(1, num_timesteps):
-                if len(range(0, num_timesteps, stride)) == desired:
-                    return set(range(0, num_timesteps, stride))
-            raise ValueError(f"cannot take exactly {desired} steps from {num_timesteps} with an even stride")
-        section_counts = [int(x) for x in section_counts.split(",")]
-    size_per, extra = divmod(num_timesteps, len(section_counts))
-    start, kept = 0, []
-    for i, count in enumerate(section_counts):
-        size = size_per + (1 if i < extra else 0)
-        if size < count:
-            raise ValueError(f"cannot take {count} steps from a section of {size} steps")
-        stride = 1 if count <= 1 else (size - 1) / (count - 1)
-        kept += [start + round(j * stride) for j in range(count)]
-        start += size
-    return set(kept)
 
 
 # --- Gaussian helpers ---------------------------------------------------------------------------
@@ -566,7 +536,8 @@ def from_params(diffusion_params, respacing: str = "") -> GaussianDiffusion:
     model is called with.
 
     :param diffusion_params: a `ddpmrepro.params.DiffusionParams`.
-    :param respacing: "" (all steps), "ddimN" or section counts such as "10,15,20".
+    :param respacing: "" (all steps), "ddimN" or section counts such as "10,15,20" (see
+        `respace.space_timesteps`; ValueError when the string cannot respace this T).
     """
     p = diffusion_params
     betas = get_beta_schedule(p.schedule, p.timesteps)

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from .respace import space_timesteps
+
 
 class ParamsError(ValueError):
     """A user error in params.yaml; the message is one line naming the key path."""
@@ -271,11 +273,12 @@ def _check_cross_field(obj, path: str) -> None:
     if isinstance(obj, ModelParams):
         if obj.channel_mult is not None and not obj.channel_mult:
             raise ParamsError(f"{path}.channel_mult: give positive integers, e.g. [1, 2, 2, 2]")
-    if isinstance(obj, SampleParams):
-        r = obj.respacing
-        ok = r == "" or (r.startswith("ddim") and r[4:].isdigit()) or all(s.strip().isdigit() for s in r.split(","))
-        if not ok:
-            raise ParamsError(f"{path}.respacing: {r!r} is not '', 'ddimN' or comma-separated counts like '10,15,20'")
+    if isinstance(obj, Params):
+        # The respacer itself decides (one rule, not a copy): any string it cannot apply to T steps.
+        try:
+            space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)
+        except ValueError as e:
+            raise ParamsError(f"sample.respacing: {e} (with diffusion.timesteps: {obj.diffusion.timesteps})") from None
 
 
 def from_dict(raw: Any) -> Params:

@@ -71,7 +71,11 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     model, trained, config = load_model(model_dir, p.ema_rate, device)
     data = config["data"]
     # Respacing applies to both samplers (IDDPM samples DDPM on respaced steps too).
-    diffusion = diffusion_from_params(trained.diffusion, respacing=p.respacing)
+    try:  # params.yaml was checked against its own diffusion.timesteps; the model may have another T
+        diffusion = diffusion_from_params(trained.diffusion, respacing=p.respacing)
+    except ValueError as e:
+        raise ValueError(f"sample.respacing: {e} (the model in {model_dir} has "
+                         f"{trained.diffusion.timesteps} timesteps)") from None
     num_classes, shape = data["num_classes"], (data["channels"], data["image_size"], data["image_size"])
 
     n = num_classes * p.per_class
