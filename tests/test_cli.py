@@ -48,9 +48,46 @@ def test_missing_prepared_data_is_one_clear_line(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_info_lists_presets():
-    out = CliRunner().invoke(main, ["info", "--presets"]).output
-    assert "ddpm-cifar10" in out and "iddpm-cifar10" in out and "tiny" in out
+def test_info_lists_presets_with_parameter_counts_for_the_params_data():
+    root = Path(__file__).resolve().parents[1]
+    # Ho et al.'s 35,746,307 and Nichol & Dhariwal's 52,546,438 (learned sigma) at 3x32x32, plus our
+    # label table: (10 classes + null) x 4 * 128 time-embedding channels.
+    for config, preset, paper in (("ddpm-cifar10", "ddpm-cifar10", 35_746_307),
+                                  ("iddpm-cifar10", "iddpm-cifar10", 52_546_438)):
+        result = CliRunner().invoke(main, ["info", "--presets", "-p", str(root / "configs" / f"{config}.yaml")])
+        assert result.exit_code == 0, result.output
+        assert "3x32x32 images" in result.output
+        (line,) = [ln for ln in result.output.splitlines() if ln.split()[:1] == [preset]]
+        assert line.split()[1] == f"{paper + 11 * 512:,}"
+        last = result.output.strip().splitlines()[-1]  # the model this params file trains
+        assert f"trains {preset}" in last and last.endswith(f": {paper + 11 * 512:,} parameters")
+    # the default params.yaml: 8x8 digits, and every preset is listed with a count
+    out = CliRunner().invoke(main, ["info", "--presets", "-p", str(root / "params.yaml")]).output
+    assert "1x8x8 images" in out
+    for preset in ("tiny", "ddpm-cifar10", "iddpm-cifar10"):
+        (line,) = [ln for ln in out.splitlines() if ln.split()[:1] == [preset]]
+        assert int(line.split()[1].replace(",", "")) > 100_000
+
+
+def test_info_defaults_are_the_dataclass_defaults_and_load_back(tmp_path):
+    from ddpmrepro import params as P
+
+    out = CliRunner().invoke(main, ["info", "--defaults"]).output
+    (tmp_path / "p.yaml").write_text(out)
+    assert P.load(tmp_path / "p.yaml") == P.Params()
+
+
+@pytest.mark.parametrize("command", STAGES + ["info"])
+def test_p_is_short_for_params_and_an_empty_params_file_is_refused(tmp_path, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.yaml").write_text("# every key commented out\n\n")
+    result = CliRunner().invoke(main, [command, "-p", "empty.yaml"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "Error: empty.yaml: the file is empty (no keys); if that is an accident, restore it "
+        "(`git checkout -- empty.yaml`); to run on every default, write {} in it (`ddpmrepro info --defaults` "
+        "prints them)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.yaml"]
 
 
 @pytest.mark.parametrize("args, expected", [([], "--max-restarts=2"), (["--max-restarts", "0"], "--max-restarts=0")])

@@ -70,3 +70,13 @@ def test_invalid_yaml_and_missing_file(tmp_path):
         P.load(bad)
     with pytest.raises(P.ParamsError, match="file not found"):
         P.load(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# data:\n#   source: mnist\n", "---\n"])
+def test_an_empty_file_is_refused_but_an_empty_mapping_means_all_defaults(tmp_path, text):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(P.ParamsError, match=r"params.yaml: the file is empty \(no keys\); if that is an accident"):
+        P.load(path)
+    path.write_text("{}  # every default, on purpose\n")
+    assert P.load(path) == P.Params()

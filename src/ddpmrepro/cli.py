@@ -16,7 +16,7 @@ import click
 
 from . import params as P
 
-PARAMS_OPTION = click.option("--params", "params_path", default="params.yaml", show_default=True,
+PARAMS_OPTION = click.option("-p", "--params", "params_path", default="params.yaml", show_default=True,
                              type=click.Path(dir_okay=False, path_type=Path), help="The params file to read.")
 
 
@@ -259,22 +259,53 @@ def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -
 
 @main.command()
 @PARAMS_OPTION
-@click.option("--presets", is_flag=True, help="List the model presets and their parameter counts.")
-def info(params_path: Path, presets: bool) -> None:
-    """Print versions, devices and the resolved params."""
+@click.option("--presets", is_flag=True,
+              help="List the model presets with their parameter counts for the data of --params.")
+@click.option("--defaults", is_flag=True, help="Print every params key at its default value (YAML).")
+def info(params_path: Path, presets: bool, defaults: bool) -> None:
+    """Print versions, devices and the resolved params.
+
+    \b
+    --presets counts parameters for the image shape and variance of --params (the default
+    params.yaml: 1x8x8 digits); `-p configs/ddpm-cifar10.yaml` gives CIFAR-10's 3x32x32.
+    """
     import torch
     import yaml
 
     from . import __version__
 
-    click.echo(f"ddpmrepro {__version__}, torch {torch.__version__}, cuda devices: {torch.cuda.device_count()}")
-    if presets:
-        from .unet import PRESETS
-
-        for name, kw in PRESETS.items():
-            click.echo(f"{name}: {kw}")
+    if defaults:
+        click.echo(yaml.safe_dump(P.Params().to_dict(), sort_keys=False), nl=False)
         return
-    click.echo(yaml.safe_dump(_load_params(params_path).to_dict(), sort_keys=False))
+    click.echo(f"ddpmrepro {__version__}, torch {torch.__version__}, cuda devices: {torch.cuda.device_count()}")
+    params = _load_params(params_path)
+    if presets:
+        _print_presets(params, params_path)
+        return
+    click.echo(yaml.safe_dump(params.to_dict(), sort_keys=False))
+
+
+def _print_presets(params: P.Params, params_path: Path) -> None:
+    from .unet import PRESETS, count_parameters
+
+    d, learn_sigma = params.data, params.diffusion.variance == "learned_range"
+    # Every built-in source has 10 classes; an image folder's count is known only after prepare.
+    classes = "10 classes" + (" (assumed: image_folder's count is known after prepare)"
+                              if d.source == "image_folder" else "")
+    click.echo(f"Parameters for the data of {params_path}: {d.channels}x{d.image_size}x{d.image_size} images, "
+               f"{classes} + the null label, {'learned' if learn_sigma else 'fixed'} variance "
+               f"(diffusion.variance: {params.diffusion.variance}):")
+
+    def count(model_params: P.ModelParams) -> int:
+        return count_parameters(model_params, image_size=d.image_size, in_channels=d.channels, num_classes=10,
+                                learn_sigma=learn_sigma)
+
+    for name, kw in PRESETS.items():
+        arch = " ".join(f"{k}={v}" for k, v in kw.items())
+        click.echo(f"  {name:<14} {count(P.ModelParams(preset=name)):>12,}  {arch}")
+    m = params.model
+    overrides = " with " + " ".join(f"{k}={v}" for k, v in m.overrides().items()) if m.overrides() else ""
+    click.echo(f"{params_path} trains {m.preset}{overrides}: {count(m):,} parameters")
 
 
 if __name__ == "__main__":

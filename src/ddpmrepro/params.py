@@ -296,6 +296,12 @@ def load(path: str | Path = "params.yaml") -> Params:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ParamsError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if raw is None:
+        # Refused, not warned about: an emptied file (a bad save, `>` for `>>`) would otherwise train
+        # hours of a different experiment on the defaults, and a warning scrolls away in DVC/SLURM logs.
+        raise ParamsError(f"{path}: the file is empty (no keys); if that is an accident, restore it "
+                          f"(`git checkout -- {path}`); to run on every default, write {{}} in it "
+                          "(`ddpmrepro info --defaults` prints them)")
     return from_dict(raw)
 
 

@@ -309,4 +309,11 @@ def build_unet(model_params, *, image_size: int, in_channels: int, num_classes: 
     )
 
 
-__all__ = ["UNet", "PRESETS", "build_unet", "timestep_embedding"]
+def count_parameters(model_params, **shape) -> int:
+    """Parameters of `build_unet(model_params, **shape)`, built on the meta device (no memory, no time)."""
+    with torch.device("meta"):
+        model = build_unet(model_params, **shape)
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["UNet", "PRESETS", "build_unet", "count_parameters", "timestep_embedding"]
