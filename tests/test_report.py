@@ -53,8 +53,44 @@ def test_make_report_draws_nonempty_pngs(tmp_path):
     assert "reports/introspect/steps.tsv" in figures
 
 
-def test_make_report_without_inputs_writes_nothing(tmp_path):
-    assert make_report(tmp_path / "none", tmp_path / "none", tmp_path / "figs", ReportParams()) == []
+def live_metrics(live, rows=True):
+    metrics = live / "plots" / "metrics"
+    metrics.mkdir(parents=True)
+    pd.DataFrame({"timestamp": [0, 1], "step": [25, 50], "loss": [1.0, 0.5]}).iloc[: 2 if rows else 0].to_csv(
+        metrics / "loss.tsv", sep="\t", index=False)
+
+
+def no_rows_run(root):
+    TableWriter(root, start_step=0).close()  # what train leaves when it recorded no step
+
+
+@pytest.mark.parametrize("introspect, live, named, words", [
+    (None, live_metrics, "introspect", "no such introspection directory"),
+    (lambda d: d.mkdir(), live_metrics, "introspect", "no introspection rows"),
+    (no_rows_run, live_metrics, "introspect", "no introspection rows"),
+    (lambda d: d.write_text("x"), live_metrics, "introspect", "not a directory"),
+    (synthetic_run, None, "live", "no such dvclive directory"),
+    (synthetic_run, lambda d: d.mkdir(), "live", "no dvclive metrics"),
+    (synthetic_run, lambda d: live_metrics(d, rows=False), "live", "no dvclive metrics"),
+], ids=["introspect-missing", "introspect-empty", "introspect-no-rows", "introspect-file", "live-missing",
+        "live-empty", "live-header-only"])
+def test_a_missing_or_empty_input_fails_in_one_line_naming_it_and_writes_nothing(tmp_path, introspect, live,
+                                                                                 named, words):
+    from click.testing import CliRunner
+
+    from ddpmrepro.cli import main
+
+    for make, d in ((introspect, tmp_path / "introspect"), (live, tmp_path / "live")):
+        if make is not None:
+            make(d)
+    (tmp_path / "params.yaml").write_text("{}\n")
+    result = CliRunner().invoke(main, ["report", "-p", str(tmp_path / "params.yaml"), "--introspect",
+                                       str(tmp_path / "introspect"), "--live", str(tmp_path / "live"),
+                                       "--out", str(tmp_path / "figs")])
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: {tmp_path / named}: ") and words in line, line
+    assert not (tmp_path / "figs").exists()
 
 
 def test_group_param_rows_combines_to_module_norms(tmp_path):

@@ -1,6 +1,7 @@
 """Figures from the introspection tables and the dvclive metrics (matplotlib, Agg, no display).
 
-`make_report` draws whatever its inputs allow and returns the paths written:
+`make_report` draws what its inputs hold and returns the paths written (a missing or empty input
+directory is an error, not an empty report):
 
 * `param_grad_heatmap.png`   log10 grad norm, parameter (or module) x recorded step
 * `param_update_heatmap.png` log10 update ratio ||dp|| / ||p||, same rows
@@ -165,14 +166,39 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+class ReportInputError(ValueError):
+    """An input directory of the report is missing or holds nothing to draw (one line, names it)."""
+
+
+def _require_dir(path: Path, what: str, option: str) -> None:
+    if not path.exists():
+        raise ReportInputError(f"{path}: no such {what} directory; train first (`dvc repro train`) or pass {option} DIR")
+    if not path.is_dir():
+        raise ReportInputError(f"{path}: not a directory; {option} takes the {what} directory that train writes")
+
+
 def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str | Path, params: ReportParams) -> list[Path]:
-    """Draws the figures the inputs allow into `out_dir`; returns their paths (missing inputs are skipped)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    """Draws the figures into `out_dir` and returns their paths.
+
+    Raises `ReportInputError` before writing anything when either input directory is missing or
+    holds nothing to draw: a report of zero figures would look like success.
+    """
+    introspect_dir, live_dir = Path(introspect_dir), Path(live_dir)
+    _require_dir(introspect_dir, "introspection", "--introspect")
+    _require_dir(live_dir, "dvclive", "--live")
     pg = read_table(introspect_dir, "param_grads")
     ag = read_table(introspect_dir, "act_grads")
     st = read_table(introspect_dir, "steps")
+    if not (len(pg) or len(ag) or len(st)):
+        raise ReportInputError(
+            f"{introspect_dir}: no introspection rows (param_grads/, act_grads/, steps/ hold no data); train records "
+            "them unless introspect.every is 0 and introspect.steps is empty")
+    metrics = read_live_metrics(live_dir)
+    if not metrics:
+        raise ReportInputError(f"{live_dir}: no dvclive metrics (no plots/metrics/*.tsv with rows); train writes them")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
     pt = group_param_rows(pg) if len(pg) else None
     at = act_rows(ag) if len(ag) else None
     if pt is not None:
@@ -192,10 +218,8 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
         written.append(_save(fig, out / "grad_norm_topk.png"))
     if len(st):
         written.append(_total_norm(st, out / "total_grad_norm.png"))
-    metrics = read_live_metrics(Path(live_dir))
-    if metrics:
-        written.append(_training_curves(metrics, out / "training_curves.png"))
+    written.append(_training_curves(metrics, out / "training_curves.png"))
     return written
 
 
-__all__ = ["make_report", "group_param_rows", "act_rows", "read_live_metrics", "DVC_PLOTS", "MAX_ROWS"]
+__all__ = ["make_report", "ReportInputError", "group_param_rows", "act_rows", "read_live_metrics", "DVC_PLOTS", "MAX_ROWS"]
