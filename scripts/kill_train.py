@@ -44,6 +44,7 @@ PARAMS = {
     "train": {"steps": 40, "batch_per_proc": 16, "warmup_steps": 2, "checkpoint_every": 1, "keep_checkpoints": 3,
               "log_every": 5, "timestep_sampler": "loss-second-moment", "ema_rates": [0.99]},
     "introspect": {"every": 5},
+    "sample": {"respacing": ""},  # the default ddim50 cannot respace 10 timesteps (sample_main sets its own)
 }
 
 

@@ -182,6 +182,7 @@ TINY = {
     "train": {"steps": 3, "batch_per_proc": 16, "warmup_steps": 0, "checkpoint_every": 1, "keep_checkpoints": 5,
               "log_every": 1, "ema_rates": [0.9]},
     "introspect": {"every": 0, "steps": []},
+    "sample": {"respacing": ""},  # the default ddim50 cannot respace 10 timesteps
     "evaluator": {"epochs": 1},
 }
 

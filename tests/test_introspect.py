@@ -123,6 +123,15 @@ def test_select_names_globs_regex_outermost_and_errors():
     assert is_record_step(50, 25, [1]) and is_record_step(1, 25, [1]) and not is_record_step(2, 0, [1])
 
 
+def test_record_steps_count_completed_updates_and_include_the_last():
+    # the defaults (1500 updates, every 25, steps [1]): the first update, every 25th, the last
+    recorded = [s for s in range(1, 1501) if is_record_step(s, 25, [1], last=1500)]
+    assert recorded == [1] + list(range(25, 1501, 25))
+    # the last step is recorded even when `every` does not divide it, and never with every: 0
+    assert [s for s in range(1, 11) if is_record_step(s, 4, [], last=10)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if is_record_step(s, 0, [3], last=10)] == [3]
+
+
 # --- parameter gradients -----------------------------------------------------------------------
 
 
@@ -352,27 +361,29 @@ def fake_rows(step):
 
 
 def test_writer_chunks_and_resume_drop_duplicate_steps(tmp_path):
+    # Steps count completed updates: a checkpoint at step 7 holds the state after 7 updates, and
+    # the rows of steps 1..7 (measured during updates 1..7) belong to it.
     w = TableWriter(tmp_path, start_step=0, flush_every=3)
-    for s in range(10):
+    for s in range(1, 11):
         p, su, a = fake_rows(s)
-        w.add(s, params=p, summary=su, activations=a, dumps={"out/output/0": torch.ones(2)} if s in (2, 7) else None)
-    # crash: step 9 is still buffered; steps 0-8 are on disk in 3 chunks
+        w.add(s, params=p, summary=su, activations=a, dumps={"out/output/0": torch.ones(2)} if s in (7, 8) else None)
+    # crash: step 10 is still buffered; steps 1-9 are on disk in 3 chunks
     assert len(list((tmp_path / "param_grads").glob("part-*.parquet"))) == 3
-    w2 = TableWriter(tmp_path, start_step=7, flush_every=3)  # resumed from a checkpoint at step 7
-    assert sorted(read_table(tmp_path, "steps")["step"]) == list(range(7))
-    assert not (tmp_path / "dumps" / "step-000000007.safetensors").exists()
-    assert (tmp_path / "dumps" / "step-000000002.safetensors").exists()
-    for s in range(7, 12):
+    w2 = TableWriter(tmp_path, start_step=7, flush_every=3)  # resumed from the checkpoint after 7 updates
+    assert sorted(read_table(tmp_path, "steps")["step"]) == list(range(1, 8))
+    assert (tmp_path / "dumps" / "step-000000007.safetensors").exists()
+    assert not (tmp_path / "dumps" / "step-000000008.safetensors").exists()
+    for s in range(8, 13):
         p, su, a = fake_rows(s)
         w2.add(s, params=p, summary=su, activations=a)
     w2.close()
     df = pd.read_parquet(tmp_path / "param_grads")
     assert list(df.columns) == PARAM_GRADS_SCHEMA.names
-    assert sorted(df["step"].unique()) == list(range(12)) and len(df) == 36
+    assert sorted(df["step"].unique()) == list(range(1, 13)) and len(df) == 36
     act = pd.read_parquet(tmp_path / "act_grads")
     assert list(act.columns) == ACT_GRADS_SCHEMA.names and list(act["hist"].iloc[0]) == [1, 2]
     tsv = pd.read_csv(tmp_path / "steps.tsv", sep="\t")
-    assert list(tsv["step"]) == list(range(12)) and tsv["skipped"].sum() == 1
+    assert list(tsv["step"]) == list(range(1, 13)) and tsv["skipped"].sum() == 1
     TableWriter(tmp_path, start_step=0).close()  # a fresh run starts from empty tables
     assert read_table(tmp_path, "param_grads").empty and len(pd.read_csv(tmp_path / "steps.tsv", sep="\t")) == 0
 
@@ -380,14 +391,14 @@ def test_writer_chunks_and_resume_drop_duplicate_steps(tmp_path):
 def test_writer_flushes_on_a_row_budget_when_recording_every_step(tmp_path):
     # 5 rows a step (3 params + 1 summary + 1 activation); a budget of 12 rows flushes every 3rd step
     w = TableWriter(tmp_path, start_step=0, flush_every=1000, max_rows=12)
-    for s in range(8):
+    for s in range(1, 9):
         p, su, a = fake_rows(s)
         w.add(s, params=p, summary=su, activations=a)
     parts = sorted(f.name for f in (tmp_path / "param_grads").glob("part-*.parquet"))
-    assert parts == ["part-000000000-000000002.parquet", "part-000000003-000000005.parquet"]
+    assert parts == ["part-000000001-000000003.parquet", "part-000000004-000000006.parquet"]
     w.close()
     df = pd.read_parquet(tmp_path / "param_grads")
-    assert sorted(df["step"]) == sorted(s for s in range(8) for _ in range(3))
+    assert sorted(df["step"]) == sorted(s for s in range(1, 9) for _ in range(3))
 
 
 # --- DDP (2 gloo processes) --------------------------------------------------------------------

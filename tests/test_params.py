@@ -31,13 +31,19 @@ def test_every_section_matches_the_dataclass_defaults_keys():
     ({"train": {"ema_rates": []}}, "train.ema_rates: give at least one"),
     ({"train": {"lrr": 1e-3}}, "train.lrr: unknown key"),
     ({"trian": {}}, "trian: unknown key"),
-    ({"model": {"channel_mult": [1, 0]}}, "model.channel_mult: must be >= 1"),
+    ({"model": {"channel_mult": [1, 0]}}, "model.channel_mult[1]: must be >= 1"),
     ({"model": {"preset": "huge"}}, "model.preset: 'huge' is not one of"),
     ({"data": {"channels": 2}}, "data.channels: 2 is not one of 1 | 3"),
     ({"data": "digits"}, "data: expected a mapping"),
     ({"sample": {"respacing": "fast"}}, "sample.respacing: 'fast' is not"),
     ({"train": {"lr": float("nan")}}, "train.lr: expected a finite number"),
     ({"introspect": {"params": "*"}}, "introspect.params: expected a list of a string"),
+    # introspection steps count completed updates, 1..train.steps
+    ({"introspect": {"steps": [0]}}, "introspect.steps[0]: must be >= 1, got 0"),
+    ({"introspect": {"steps": [1, 1501]}}, "introspect.steps[1]: step 1501 is after the last step (train.steps: 1500)"),
+    ({"introspect": {"dump_steps": [20], "dump_modules": ["out"]}, "train": {"steps": 10}},
+     "introspect.dump_steps[0]: step 20 is after the last step (train.steps: 10)"),
+    ({"introspect": {"dump_steps": [5]}}, "introspect.dump_steps: nothing is dumped without introspect.dump_modules"),
 ])
 def test_bad_values_name_the_key_path(raw, message):
     with pytest.raises(P.ParamsError) as e:

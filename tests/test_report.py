@@ -13,7 +13,7 @@ from ddpmrepro.params import ReportParams
 from ddpmrepro.report import DVC_PLOTS, act_rows, group_param_rows, make_report
 
 
-def synthetic_run(root, n_blocks=30, steps=range(0, 100, 10), per_rank=False):
+def synthetic_run(root, n_blocks=30, steps=range(10, 110, 10), per_rank=False):
     rng = np.random.default_rng(0)
     w = TableWriter(root, start_step=0, flush_every=40)
     names = [f"input_blocks.{b}.{layer}.{kind}" for b in range(n_blocks) for layer in ("conv", "norm")
@@ -41,7 +41,7 @@ def test_make_report_draws_nonempty_pngs(tmp_path):
     (metrics / "train").mkdir(parents=True)
     for path in (metrics / "loss.tsv", metrics / "train" / "grad_norm.tsv"):
         col = path.stem
-        pd.DataFrame({"timestamp": range(5), "step": [0, 25, 50, 75, 100], col: [1.0, 0.5, 0.3, 0.2, 0.15]}).to_csv(
+        pd.DataFrame({"timestamp": range(5), "step": [25, 50, 75, 100, 125], col: [1.0, 0.5, 0.3, 0.2, 0.15]}).to_csv(
             path, sep="\t", index=False)
     paths = make_report(tmp_path / "introspect", tmp_path / "live", tmp_path / "figs", ReportParams(top_k=3))
     assert {p.name for p in paths} == {"param_grad_heatmap.png", "param_update_heatmap.png", "act_grad_heatmap.png",
@@ -98,8 +98,8 @@ def test_group_param_rows_combines_to_module_norms(tmp_path):
     df = pd.read_parquet(tmp_path / "param_grads")
     g = group_param_rows(df)
     assert g["label"].nunique() == 40 and str(g["label"].cat.categories[0]) == "input_blocks.0.conv"
-    s0 = df[(df["step"] == 0) & df["name"].str.startswith("input_blocks.3.norm.")]
-    row = g[(g["step"] == 0) & (g["label"] == "input_blocks.3.norm")]
+    s0 = df[(df["step"] == 10) & df["name"].str.startswith("input_blocks.3.norm.")]
+    row = g[(g["step"] == 10) & (g["label"] == "input_blocks.3.norm")]
     assert row["grad_norm"].item() == pytest.approx(math.sqrt((s0["grad_norm"] ** 2).sum()))
     assert row["update_ratio"].item() == pytest.approx(1e-3)
     assert group_param_rows(df[df["name"].isin(names[:8])])["label"].nunique() == 8  # few: kept per parameter

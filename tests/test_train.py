@@ -42,6 +42,7 @@ SMALL = {
     "train": {"steps": 8, "batch_per_proc": 16, "warmup_steps": 2, "checkpoint_every": 4, "log_every": 2,
               "timestep_sampler": "loss-second-moment", "ema_rates": [0.9, 0.99], "label_dropout": 0.2},
     "introspect": {"every": 2, "steps": []},
+    "sample": {"respacing": "ddim5"},  # the default ddim50 cannot respace 10 timesteps
 }
 
 
@@ -101,8 +102,10 @@ def assert_same(a: dict, b: dict, exact: bool) -> None:
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process_with_double_batch(tmp_path, prepared):
-    one = write_params(tmp_path / "one.yaml", train={"batch_per_proc": 16, "nproc": 1, "steps": 16})
-    two = write_params(tmp_path / "two.yaml", train={"batch_per_proc": 8, "nproc": 2, "steps": 16})
+    one = write_params(tmp_path / "one.yaml", train={"batch_per_proc": 16, "nproc": 1, "steps": 16},
+                       introspect={"steps": [1]})
+    two = write_params(tmp_path / "two.yaml", train={"batch_per_proc": 8, "nproc": 2, "steps": 16},
+                       introspect={"steps": [1]})
     run_train(tmp_path / "one", prepared, one, nproc=1)
     run_train(tmp_path / "two", prepared, two, nproc=2)
     # The all-reduced gradients (recorded per parameter after backward, before clipping) equal
@@ -112,7 +115,7 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path, prepared):
     ga = pd.read_parquet(tmp_path / "one" / "introspect" / "param_grads").set_index(["step", "name"]).sort_index()
     gb = pd.read_parquet(tmp_path / "two" / "introspect" / "param_grads").set_index(["step", "name"]).sort_index()
     assert ga.index.equals(gb.index)
-    first = ga.index.get_level_values("step") == 0
+    first = ga.index.get_level_values("step") == 1  # the first update
     nonzero = ga["grad_norm"] > 0
     rel = (ga["grad_norm"] - gb["grad_norm"]).abs() / ga["grad_norm"].where(nonzero)
     assert rel[first & nonzero].max() < 1e-5
@@ -168,9 +171,45 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path, prepared, straight_runs,
     import pandas as pd
 
     steps = pd.read_parquet(tmp_path / "resumed" / "introspect" / "steps")["step"].tolist()
-    assert sorted(steps) == [0, 2, 4, 6]
+    assert sorted(steps) == [2, 4, 6, 8]
     loss = pd.read_csv(tmp_path / "resumed" / "live" / "plots" / "metrics" / "loss.tsv", sep="\t")
     assert loss["step"].tolist() == [2, 4, 6, 8]
+
+
+@pytest.mark.slow
+def test_table_steps_and_dvclive_steps_number_the_same_update(straight_runs):
+    # Step N everywhere = after N completed updates: the global grad norm that the steps table
+    # records at step N is the one dvclive logs at step N (log_every = every = 2, 8 steps).
+    import pandas as pd
+
+    run = straight_runs(1)
+    table = pd.read_parquet(run / "introspect" / "steps").set_index("step")["total_grad_norm"].sort_index()
+    tsv = pd.read_csv(run / "introspect" / "steps.tsv", sep="\t").set_index("step")["total_grad_norm"]
+    live = pd.read_csv(run / "live" / "plots" / "metrics" / "grad_norm.tsv", sep="\t").set_index("step")["grad_norm"]
+    assert list(table.index) == list(tsv.index) == list(live.index) == [2, 4, 6, 8]  # the last update included
+    assert table.tolist() == tsv.tolist() == live.tolist()  # the same float, not merely close
+    assert len(set(table.tolist())) == 4  # four different updates, so a shift by one would show
+    # and the checkpoint of the last step is step 8: the state after the update the tables call 8
+    (ckpt_dir,) = (run / "ckpt").glob("*/*")
+    assert load_checkpoint(latest_checkpoint(ckpt_dir))["step"] == 8
+
+
+@pytest.mark.slow
+def test_dump_steps_are_recorded_steps_in_the_same_numbering(tmp_path, prepared):
+    # Neither `every` nor `steps` names step 2: a dump step is recorded anyway, tables and dump alike.
+    import pandas as pd
+    from safetensors import safe_open
+
+    from ddpmrepro import train as T
+
+    params = P.load(write_params(tmp_path / "p.yaml", train={"steps": 3},
+                                 introspect={"every": 0, "steps": [], "dump_steps": [2], "dump_modules": ["out"]}))
+    T.train(params, T.TrainPaths(prepared, tmp_path / "m", tmp_path / "l", tmp_path / "i", tmp_path / "c"))
+    assert pd.read_parquet(tmp_path / "i" / "steps")["step"].tolist() == [2]
+    (dump,) = (tmp_path / "i" / "dumps").iterdir()
+    assert dump.name == "step-000000002.safetensors"
+    with safe_open(dump, "pt") as f:
+        assert f.metadata()["step"] == "2" and sorted(f.keys()) == ["out/input/0", "out/output/0"]
 
 
 @pytest.mark.slow

@@ -112,9 +112,14 @@ def select_names(names: Iterable[str], patterns: Sequence[str], *, outermost: bo
     return [n for n in names if n in by_re or (n in by_glob and not (outermost and covered(n)))]
 
 
-def is_record_step(step: int, every: int, steps: Iterable[int] = ()) -> bool:
-    """True when `step` is logged: a multiple of `every` (if > 0) or listed in `steps`."""
-    return (every > 0 and step % every == 0) or step in set(steps)
+def is_record_step(step: int, every: int, steps: Iterable[int] = (), last: int | None = None) -> bool:
+    """True when `step` is recorded: a multiple of `every` (if > 0), the `last` step (if every > 0,
+    as dvclive logs it), or listed in `steps`.
+
+    Steps count completed updates, as dvclive and checkpoints do: step N is the state after the
+    N-th optimizer update (its gradients, before that update is applied), so the first is 1.
+    """
+    return (every > 0 and (step % every == 0 or step == last)) or step in set(steps)
 
 
 def _shape_str(shape: torch.Size) -> str:
@@ -457,9 +462,11 @@ class TableWriter:
     Layout: `param_grads/`, `steps/`, `act_grads/` hold `part-<first step>-<last step>.parquet`
     (read a whole table with `pandas.read_parquet(out_dir / "param_grads")`); `steps.tsv` is the
     per-step summary for `dvc plots`; `dumps/step-<step>.safetensors` the full-gradient dumps.
-    Construct it on rank 0 only. `start_step` is the first step this process will run: everything
-    recorded for steps >= start_step (by a run that crashed after its last checkpoint, or by an
-    earlier run when start_step is 0) is removed, so no step appears twice.
+    Construct it on rank 0 only. Steps count completed updates (1 = the first). `start_step` is
+    the step of the checkpoint this process resumes from (0 for a fresh start): everything
+    recorded for later steps (by a run that crashed after its last checkpoint, or by an earlier
+    run when start_step is 0) is removed, so no step appears twice; rows up to and including
+    `start_step` belong to the checkpoint and are kept.
     """
 
     def __init__(self, out_dir: str | Path, *, start_step: int, flush_every: int = 250, max_rows: int = 10_000):
@@ -473,12 +480,14 @@ class TableWriter:
         self._rows = 0
         self._buf: dict[str, list[pa.Table]] = {t: [] for t in SCHEMAS}  # arrow, not dicts: ~50x smaller
         self._tsv_buf: list[str] = []
-        self._last_flush = start_step  # first step not yet flushed
-        self._last_step = start_step - 1
+        first = start_step + 1  # the first step this process records
+        self._last_flush = first  # first step not yet flushed
+        self._last_step = start_step
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._truncate(start_step)
+        self._truncate(first)
 
-    def _truncate(self, start_step: int) -> None:
+    def _truncate(self, from_step: int) -> None:
+        """Removes every row, TSV line and dump of a step >= from_step."""
         for table, schema in SCHEMAS.items():
             d = self.out_dir / table
             d.mkdir(exist_ok=True)
@@ -489,11 +498,11 @@ class TableWriter:
                         f.unlink()
                     continue
                 first, last = int(m[1]), int(m[2])
-                if first >= start_step:
+                if first >= from_step:
                     f.unlink()
-                elif last >= start_step:
+                elif last >= from_step:
                     t = pq.read_table(f, schema=schema)
-                    t = t.filter(pc.less(t["step"], start_step))
+                    t = t.filter(pc.less(t["step"], from_step))
                     steps = t["step"].to_pylist()
                     self._write_part(table, t, min(steps), max(steps))
                     f.unlink()
@@ -502,13 +511,13 @@ class TableWriter:
         if tsv.exists():
             for ln in tsv.read_text().splitlines(keepends=True)[1:]:
                 fields = ln.rstrip("\n").split("\t")
-                if ln.endswith("\n") and len(fields) == len(TSV_COLUMNS) and int(fields[0]) < start_step:
+                if ln.endswith("\n") and len(fields) == len(TSV_COLUMNS) and int(fields[0]) < from_step:
                     keep.append(ln)  # (a line cut short by a crash is dropped)
         _atomic_write(tsv, "".join(keep).encode())
         dumps = self.out_dir / "dumps"
         if dumps.exists():
             for f in dumps.glob("step-*.safetensors"):
-                if int(f.stem.split("-")[1]) >= start_step:
+                if int(f.stem.split("-")[1]) >= from_step:
                     f.unlink()
 
     def _write_part(self, table: str, t: pa.Table, first: int, last: int) -> None:

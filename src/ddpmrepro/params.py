@@ -98,12 +98,12 @@ class TrainParams:
 @dataclass(frozen=True)
 class IntrospectParams:
     every: int = _f(25, min=0)
-    steps: list[int] = _f([1])
+    steps: list[int] = _f([1], min=1)
     params: list[str] = _f(["*"])
     update_ratio: bool = _f(True)
     modules: list[str] = _f(["input_blocks.*", "middle_block", "output_blocks.*", "out"])
     histogram_bins: int = _f(0, min=0, max=1024)
-    dump_steps: list[int] = _f([])
+    dump_steps: list[int] = _f([], min=1)
     dump_modules: list[str] = _f([])
     dump_max_mb: float = _f(16.0, min=0.0)
 
@@ -220,8 +220,8 @@ def _coerce(value: Any, tp, path: str):
 def _check_range(value, meta: dict, path: str) -> None:
     if value is None:
         return
-    items = value if isinstance(value, list) else [value]
-    for v in items:
+    items = [(f"{path}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(path, value)]
+    for path, v in items:
         choices = meta.get("choices")
         if choices is not None and v not in choices:
             allowed = " | ".join(map(str, choices))
@@ -273,7 +273,16 @@ def _check_cross_field(obj, path: str) -> None:
     if isinstance(obj, ModelParams):
         if obj.channel_mult is not None and not obj.channel_mult:
             raise ParamsError(f"{path}.channel_mult: give positive integers, e.g. [1, 2, 2, 2]")
+    if isinstance(obj, IntrospectParams) and obj.dump_steps and not obj.dump_modules:
+        raise ParamsError(f"{path}.dump_steps: nothing is dumped without {path}.dump_modules; name the modules "
+                          "to dump, e.g. [\"out\"], or set dump_steps: []")
     if isinstance(obj, Params):
+        # Introspection steps count completed updates, 1..train.steps; a later one would never be recorded.
+        for key in ("steps", "dump_steps"):
+            for i, st in enumerate(getattr(obj.introspect, key)):
+                if st > obj.train.steps:
+                    raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
+                                      f"{obj.train.steps}); steps count completed updates, 1..train.steps")
         # The respacer itself decides (one rule, not a copy): any string it cannot apply to T steps.
         try:
             space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)

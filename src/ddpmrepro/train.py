@@ -293,16 +293,18 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         progress = _progress(main, start_step, p.steps)
         summary: dict = {}
 
+        ip = params.introspect
         with StopRequest() as stop, act_rec:
             for step in range(start_step, p.steps):
+                done = step + 1  # updates completed after this one: the step number of logs, tables, checkpoints
                 # Dropout masks of this step come from (seed, step, rank).
                 torch.manual_seed(step_seed(p.seed, step, rank, 0))
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, p)
-                recording = introspect.is_record_step(step, params.introspect.every, params.introspect.steps)
+                recording = introspect.is_record_step(done, ip.every, [*ip.steps, *ip.dump_steps], last=p.steps)
                 loss_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
                 if recording:
-                    act_rec.arm(step, loss_scale=loss_scale)
+                    act_rec.arm(done, loss_scale=loss_scale)
 
                 # Accumulate gradients over microbatches; only the last one all-reduces.
                 for micro in range(p.grad_accum):
@@ -335,7 +337,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Unscale, measure, clip, step; an fp16 overflow step is skipped by the scaler.
                 scaler.unscale_(opt)
                 if recording and main:
-                    grad_rec.capture(step)  # after all-reduce and unscale; before clipping, which scales in place
+                    grad_rec.capture(done)  # after all-reduce and unscale; before clipping, which scales in place
                 clip = p.grad_clip if p.grad_clip > 0 else math.inf
                 total_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
                 skipped = False
@@ -371,11 +373,10 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     if main:
                         param_rows, step_row = grad_rec.finish(total_norm=total_norm, clip_threshold=p.grad_clip,
                                                                skipped=skipped, loss_scale=loss_scale, lr=lr_at(step, p))
-                        writer.add(step, params=param_rows, summary=step_row, activations=act_rows,
+                        writer.add(done, params=param_rows, summary=step_row, activations=act_rows,
                                    dumps=act_rec.take_dumps())
 
                 # Log: one host copy per log step.
-                done = step + 1
                 imgs_since += p.batch_per_proc * p.grad_accum * world
                 stop_now = _agree(stop.requested)
                 log_now = done % p.log_every == 0 or done == p.steps or stop_now
