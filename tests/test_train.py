@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -174,6 +175,43 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path, prepared, straight_runs,
     assert sorted(steps) == [2, 4, 6, 8]
     loss = pd.read_csv(tmp_path / "resumed" / "live" / "plots" / "metrics" / "loss.tsv", sep="\t")
     assert loss["step"].tolist() == [2, 4, 6, 8]
+
+
+def live_series(run: Path) -> dict[str, list[str]]:
+    """Every dvclive TSV of a run as its lines, without the wall-clock columns: `timestamp`, and
+    images_per_sec, which measures wall time and cannot equal across an interruption."""
+    out = {}
+    for f in sorted((run / "live" / "plots" / "metrics").rglob("*.tsv")):
+        if f.stem != "images_per_sec":
+            rows = [line.split("\t") for line in f.read_text().splitlines()]
+            keep = [i for i, col in enumerate(rows[0]) if col != "timestamp"]
+            out[f.name] = ["\t".join(r[i] for i in keep) for r in rows]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_run_resumed_between_log_steps_logs_the_same_series(tmp_path, prepared, straight_runs, nproc):
+    # Checkpoints every step (operational: the same run as straight_runs); SIGKILL once step 3 is
+    # saved, then drop later checkpoints so that the run resumes from step 3, between the log steps
+    # 2 and 4: the point at step 4 must still average steps 3 and 4, each rank's sums as they were.
+    params = write_params(tmp_path / "p.yaml", train={"nproc": nproc, "batch_per_proc": 16 // nproc,
+                                                      "checkpoint_every": 1, "keep_checkpoints": 10})
+    run = tmp_path / "resumed"
+    kill_after_checkpoint(run, prepared, params, nproc, step=3)
+    for f in run.glob("ckpt/*/*/step_*"):
+        if int(f.name[5:14]) > 3:
+            f.unlink()
+    run_train(run, prepared, params, nproc)
+    straight = live_series(straight_runs(nproc))
+    assert straight["loss.tsv"][0] == "step\tloss" and len(straight["loss.tsv"]) == 5  # logged at 2, 4, 6, 8
+    assert {"loss_q0.tsv", "mse.tsv", "vb.tsv", "grad_norm.tsv", "lr.tsv"} <= set(straight)
+    assert live_series(run) == straight
+    metrics = [json.loads((r / "live" / "metrics.json").read_text()) for r in (run, straight_runs(nproc))]
+    for m in metrics:
+        m.pop("images_per_sec")
+    assert metrics[0] == metrics[1]
+    assert_same(final_state(straight_runs(nproc)), final_state(run), exact=True)
 
 
 @pytest.mark.slow
@@ -564,6 +602,7 @@ def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes_to_the_same_bits
     assert not (run / "model").exists()
     run_train(run, prepared, params, nproc=1)  # "rerun the same command"
     assert_same(final_state(straight_runs(1)), final_state(run), exact=True)
+    assert live_series(run) == live_series(straight_runs(1))  # no extra point at the stop
 
 
 @pytest.mark.slow

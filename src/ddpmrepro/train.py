@@ -48,7 +48,7 @@ OPERATIONAL_TRAIN_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every", "
 
 # What a checkpoint must hold to be resumed (a file with a valid sidecar can still be something else).
 CHECKPOINT_KEYS = {"step", "model", "optimizer", "scaler", "ema", "sampler", "ema_updates", "skipped_steps",
-                   "run_hash", "code_version"}
+                   "log_sums", "run_hash", "code_version"}
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(p.precision)
     emas = {rate: init_ema(raw_model) for rate in p.ema_rates}
     sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps)
-    ema_updates, skipped_steps, start_step = 0, 0, 0
+    ema_updates, skipped_steps, start_step, log_sums = 0, 0, 0, None
 
     # Resume from the newest checkpoint of this exact run: checkpoints/<params+data>/<code>/.
     # Other code never touches that directory, so no finished checkpoint is ever overwritten.
@@ -220,6 +220,10 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             sampler.load_state_dict(state["sampler"])
             # No RNG state to restore: every draw of step s comes from seeds of (seed, s, rank).
             start_step, ema_updates, skipped_steps = state["step"], state["ema_updates"], state["skipped_steps"]
+            # This rank's running sums of the log window in progress (a resume under another --nproc:
+            # rank 0 carries all of them; the data order differs then anyway).
+            sums = state["log_sums"]
+            log_sums = sums[rank] if len(sums) == world else sums.sum(0) * (rank == 0)
             if main:
                 log.info("resuming from %s (step %d)", latest, start_step)
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else raw_model
@@ -287,6 +291,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         # Running sums for the log line, kept on the device (no host sync between log steps).
         stats = torch.zeros(4, dtype=torch.float64, device=device)  # sums of loss, mse, vb; count
         quart = torch.zeros(2, 4, dtype=torch.float64, device=device)  # loss sum, count per t quartile
+        if log_sums is not None:  # a resumed window averages the same steps as an uninterrupted one
+            stats.copy_(log_sums[:4]), quart.copy_(log_sums[4:].view(2, 4))
         first_nonfinite = torch.zeros((), dtype=torch.long, device=device)  # first step with a NaN/inf grad norm; 0: none
         saved_step = start_step
         t_last, imgs_since = time.perf_counter(), 0
@@ -379,7 +385,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Log: one host copy per log step.
                 imgs_since += p.batch_per_proc * p.grad_accum * world
                 stop_now = _agree(stop.requested)
-                log_now = done % p.log_every == 0 or done == p.steps or stop_now
+                # Not at a stop: logs stay at the steps an uninterrupted run logs (the sums are checkpointed).
+                log_now = done % p.log_every == 0 or done == p.steps
                 save_now = done % p.checkpoint_every == 0 or done == p.steps or stop_now
                 if (log_now or save_now) and int(first_nonfinite) > 0:  # same value on every rank (all-reduced grads)
                     raise FloatingPointError(
@@ -411,11 +418,12 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Checkpoint atomically every k steps, at the end, and when asked to stop.
                 if save_now:
                     apply_pending_updates()
+                    sums = _gather_rows(torch.cat([stats, quart.flatten()]), world)  # a collective
                     state = {
                         "step": done, "model": raw_model.state_dict(), "optimizer": opt.state_dict(),
                         "scaler": scaler.state_dict(), "ema": {str(r): e for r, e in emas.items()},
                         "sampler": sampler.state_dict(), "ema_updates": ema_updates,
-                        "skipped_steps": skipped_steps, "rng": {"torch": torch.get_rng_state()},
+                        "skipped_steps": skipped_steps, "log_sums": sums, "rng": {"torch": torch.get_rng_state()},
                         "run_hash": run_id, "code_version": version, "params": params.to_dict(),
                     }
                     if main:
@@ -452,6 +460,15 @@ def _refuse_interrupted_run_of_other_code(ckpt_dir: Path, steps: int) -> None:
                 f"{latest}: an interrupted run of these params under code version {other.name} (this code is "
                 f"{ckpt_dir.name}); rerun with `ddpmrepro train --restart` to start over with this code "
                 "(that checkpoint is kept), or restore that code to resume it")
+
+
+def _gather_rows(x: torch.Tensor, world: int) -> torch.Tensor:
+    """(world, *x.shape) on the host: row r is rank r's `x` (every rank must call it)."""
+    if world == 1:
+        return x[None].cpu()
+    rows = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(rows, x)
+    return torch.stack(rows).cpu()
 
 
 def _agree(flag: bool) -> bool:
