@@ -86,3 +86,29 @@ def test_an_empty_file_is_refused_but_an_empty_mapping_means_all_defaults(tmp_pa
         P.load(path)
     path.write_text("{}  # every default, on purpose\n")
     assert P.load(path) == P.Params()
+
+
+def test_every_key_has_a_doc_string():
+    import dataclasses
+    import typing
+
+    undocumented = [f"{section}.{f.name}" for section, cls in typing.get_type_hints(P.Params).items()
+                    for f in dataclasses.fields(cls) if not f.metadata.get("doc", "").strip()]
+    assert undocumented == []
+
+
+def test_docs_params_md_is_generated_from_the_dataclasses_and_current():
+    import subprocess
+    import sys
+
+    made = subprocess.run([sys.executable, "-m", "ddpmrepro.params", "--markdown"], capture_output=True, text=True,
+                          check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}).stdout
+    committed = (ROOT / "docs" / "PARAMS.md").read_text()
+    assert committed == made, "regenerate: PYTHONPATH=src python -m ddpmrepro.params --markdown > docs/PARAMS.md"
+    # one row per key, with its default as the dataclasses give it
+    for section, sub in P.Params().to_dict().items():
+        for key, default in sub.items():
+            (row,) = [ln for ln in made.splitlines() if ln.startswith(f"| `{section}.{key}` |")]
+            shown = row.split(" | ")[2].strip("`")
+            assert yaml.safe_load(shown if shown != "''" else '""') == default, row
+    assert "docs/PARAMS.md" in (ROOT / "params.yaml").read_text()

@@ -34,27 +34,41 @@ def _f(default, *, choices=None, min=None, max=None, min_exclusive=False, doc=""
 
 @dataclass(frozen=True)
 class DataParams:
-    source: str = _f("digits", choices=("digits", "mnist5k", "mnist", "fashion_mnist", "cifar10", "image_folder"))
-    root: str = _f("data/raw")
-    image_size: int = _f(8, min=4, max=1024)
-    channels: int = _f(1, choices=(1, 3))
-    test_fraction: float = _f(0.2, min=0.0, max=0.9, min_exclusive=True)
-    split_seed: int = _f(0, min=0)
-    download: bool = _f(False)
+    """Read by `prepare`: which dataset, at what size, split how."""
+
+    source: str = _f("digits", choices=("digits", "mnist5k", "mnist", "fashion_mnist", "cifar10", "image_folder"),
+                     doc="The dataset (README, Data sources). `digits` and `mnist5k` ship inside installed "
+                         "packages; the others are read from `root`.")
+    root: str = _f("data/raw", doc="Where mnist, fashion_mnist, cifar10 and image_folder files live (unused by "
+                                   "digits and mnist5k).")
+    image_size: int = _f(8, min=4, max=1024, doc="Output side length in pixels (resized with LANCZOS on the "
+                                                 "shorter side, then centre-cropped).")
+    channels: int = _f(1, choices=(1, 3), doc="1 = grey, 3 = RGB (grey is replicated, colour converted to luma).")
+    test_fraction: float = _f(0.2, min=0.0, max=0.9, min_exclusive=True,
+                              doc="Held-out share per class, for sources without their own test split.")
+    split_seed: int = _f(0, min=0, doc="Seed of that stratified split.")
+    download: bool = _f(False, doc="Let torchvision download mnist/fashion_mnist/cifar10 into `root`. Nothing "
+                                   "is ever downloaded otherwise.")
 
 
 @dataclass(frozen=True)
 class ModelParams:
-    """A named preset (see unet.PRESETS); any key given here overrides that preset's value."""
+    """Read by `train`: a named preset (see unet.PRESETS, `ddpmrepro info --presets`); any key
+    given here overrides that preset's value (unset keys are null and take the preset's)."""
 
-    preset: str = _f("tiny", choices=("tiny", "ddpm-cifar10", "iddpm-cifar10"))
-    channels: int | None = _f(None, min=1)
-    channel_mult: list[int] | None = _f(None, min=1)
-    num_res_blocks: int | None = _f(None, min=1)
-    attention_resolutions: list[int] | None = _f(None, min=1)
-    num_head_channels: int | None = _f(None, min=1)
-    dropout: float | None = _f(None, min=0.0, max=1.0)
-    scale_shift_norm: bool | None = _f(None)
+    preset: str = _f("tiny", choices=("tiny", "ddpm-cifar10", "iddpm-cifar10"),
+                     doc="`tiny`: the CPU default for 8x8 digits; `ddpm-cifar10`: Ho et al. 2020 (35.7M); "
+                         "`iddpm-cifar10`: Nichol & Dhariwal 2021 (52.5M with learned sigma).")
+    channels: int | None = _f(None, min=1, doc="Base width of the UNet (channels at full resolution).")
+    channel_mult: list[int] | None = _f(None, min=1, doc="Width multiplier per resolution level; its length is "
+                                                         "the number of levels.")
+    num_res_blocks: int | None = _f(None, min=1, doc="Residual blocks per level.")
+    attention_resolutions: list[int] | None = _f(None, min=1, doc="Feature-map side lengths (pixels) that get "
+                                                                  "self-attention.")
+    num_head_channels: int | None = _f(None, min=1, doc="Channels per attention head.")
+    dropout: float | None = _f(None, min=0.0, max=1.0, doc="Dropout in the residual blocks.")
+    scale_shift_norm: bool | None = _f(None, doc="true: IDDPM's AdaGN (timestep scales and shifts the norm); "
+                                                 "false: DDPM's additive embedding.")
 
     def overrides(self) -> dict:
         """The architecture keys set explicitly in params.yaml."""
@@ -63,83 +77,132 @@ class ModelParams:
 
 @dataclass(frozen=True)
 class DiffusionParams:
-    timesteps: int = _f(1000, min=2, max=100_000)
-    schedule: str = _f("cosine", choices=("linear", "cosine"))
-    prediction: str = _f("eps", choices=("eps", "x0"))
-    variance: str = _f("fixed_small", choices=("fixed_small", "fixed_large", "learned_range"))
-    loss: str = _f("mse", choices=("mse", "hybrid", "kl"))
+    """Read by `train` (and by `sample`/`evaluate` through the trained model's config.json)."""
+
+    timesteps: int = _f(1000, min=2, max=100_000, doc="T, the number of diffusion steps. `sample.respacing` "
+                                                      "must be able to respace it.")
+    schedule: str = _f("cosine", choices=("linear", "cosine"), doc="Beta schedule: DDPM's linear (scaled to T) "
+                                                                   "or IDDPM's cosine.")
+    prediction: str = _f("eps", choices=("eps", "x0"), doc="What the network predicts: the noise or the clean image.")
+    variance: str = _f("fixed_small", choices=("fixed_small", "fixed_large", "learned_range"),
+                       doc="Reverse-process variance: the posterior's (small), beta_t (large), or IDDPM's "
+                           "learned interpolation between them (doubles the output channels).")
+    loss: str = _f("mse", choices=("mse", "hybrid", "kl"), doc="`mse` (DDPM's simple loss), `hybrid` (mse + "
+                                                                "VLB x T/1000, IDDPM) or `kl` (the VLB alone).")
 
 
 @dataclass(frozen=True)
 class TrainParams:
-    seed: int = _f(0, min=0)
-    steps: int = _f(1500, min=1)
-    batch_per_proc: int = _f(128, min=1)
-    grad_accum: int = _f(1, min=1)
-    nproc: int = _f(1, min=1, max=1024)
-    device: str = _f("auto", choices=("auto", "cpu", "cuda"))
-    precision: str = _f("fp32", choices=("fp32", "fp16", "bf16"))
-    lr: float = _f(2e-3, min=0.0, min_exclusive=True, max=1.0)
-    warmup_steps: int = _f(100, min=0)
-    anneal: str = _f("linear", choices=("none", "linear"))
-    weight_decay: float = _f(0.0, min=0.0)
-    grad_clip: float = _f(1.0, min=0.0)
-    ema_rates: list[float] = _f([0.999])
-    ema_warmup: bool = _f(True)
-    timestep_sampler: str = _f("loss-second-moment", choices=("uniform", "loss-second-moment"))
-    label_dropout: float = _f(0.1, min=0.0, max=1.0)
-    checkpoint_every: int = _f(500, min=1)
-    keep_checkpoints: int = _f(2, min=1)
-    log_every: int = _f(25, min=1)
-    on_nonfinite: str = _f("error", choices=("error", "skip"))
-    max_restarts: int = _f(0, min=0, max=100)
+    """Read by `train`. Steps count completed optimizer updates, everywhere."""
+
+    seed: int = _f(0, min=0, doc="Initial weights, data order and every per-example draw derive from it.")
+    steps: int = _f(1500, min=1, doc="Optimizer updates to run.")
+    batch_per_proc: int = _f(128, min=1, doc="Images per process per microbatch; the global batch is "
+                                             "batch_per_proc x nproc x grad_accum.")
+    grad_accum: int = _f(1, min=1, doc="Microbatches accumulated per optimizer update.")
+    nproc: int = _f(1, min=1, max=1024, doc="Processes per node (one per GPU); > 1 runs under torchrun. "
+                                            "`ddpmrepro train --nproc` overrides it.")
+    device: str = _f("auto", choices=("auto", "cpu", "cuda"), doc="`auto`: CUDA when visible, else CPU.")
+    precision: str = _f("fp32", choices=("fp32", "fp16", "bf16"), doc="fp16: autocast + GradScaler (overflow "
+                                                                       "steps skipped and counted); bf16: autocast.")
+    lr: float = _f(2e-3, min=0.0, min_exclusive=True, max=1.0, doc="AdamW learning rate after warmup.")
+    warmup_steps: int = _f(100, min=0, doc="Linear warmup from lr/warmup_steps to lr.")
+    anneal: str = _f("linear", choices=("none", "linear"), doc="After warmup: constant, or linear to 0 at the "
+                                                               "last step.")
+    weight_decay: float = _f(0.0, min=0.0, doc="AdamW's decoupled weight decay.")
+    grad_clip: float = _f(1.0, min=0.0, doc="Clip the global gradient norm (measured after unscaling) to this; "
+                                            "0 disables.")
+    ema_rates: list[float] = _f([0.999], doc="EMA decay rates kept (one weights file each); at least one, each "
+                                             "in (0, 1).")
+    ema_warmup: bool = _f(True, doc="Use decay min(rate, (1+n)/(10+n)) after n updates, so early EMAs follow "
+                                    "the weights.")
+    timestep_sampler: str = _f("loss-second-moment", choices=("uniform", "loss-second-moment"),
+                               doc="IDDPM's importance sampling: p_t proportional to sqrt(E[L_t^2]) over the "
+                                   "last 10 losses per t, uniform until all are filled.")
+    label_dropout: float = _f(0.1, min=0.0, max=1.0, doc="Share of labels replaced by the null class "
+                                                         "(classifier-free guidance).")
+    checkpoint_every: int = _f(500, min=1, doc="Save a resumable checkpoint every k steps (and at the end "
+                                               "and on Ctrl-C/SIGTERM). Operational: not part of the run hash.")
+    keep_checkpoints: int = _f(2, min=1, doc="Newest checkpoints kept. Operational.")
+    log_every: int = _f(25, min=1, doc="dvclive point every k steps (and at the last): means over the window. "
+                                       "Operational.")
+    on_nonfinite: str = _f("error", choices=("error", "skip"), doc="A NaN/inf gradient norm under fp32/bf16: "
+                                                                   "`error` stops without saving past it, "
+                                                                   "`skip` skips the update and counts it. "
+                                                                   "Operational.")
+    max_restarts: int = _f(0, min=0, max=100, doc="Under torchrun: relaunch all ranks this often after one fails "
+                                                  "(they resume from the last checkpoint). Operational.")
 
 
 @dataclass(frozen=True)
 class IntrospectParams:
-    every: int = _f(25, min=0)
-    steps: list[int] = _f([1], min=1)
-    params: list[str] = _f(["*"])
-    update_ratio: bool = _f(True)
-    modules: list[str] = _f(["input_blocks.*", "middle_block", "output_blocks.*", "out"])
-    histogram_bins: int = _f(0, min=0, max=1024)
-    dump_steps: list[int] = _f([], min=1)
-    dump_modules: list[str] = _f([])
-    dump_max_mb: float = _f(16.0, min=0.0)
+    """Read by `train`: which gradients to record, and when (docs/INTROSPECTION.md). Steps count
+    completed updates: step N is the N-th update, as in dvclive and the checkpoints."""
+
+    every: int = _f(25, min=0, doc="Record every k-th step and the last step; 0: only `steps` and `dump_steps`.")
+    steps: list[int] = _f([1], min=1, doc="Extra steps to record, each in 1..train.steps (1 = the first update).")
+    params: list[str] = _f(["*"], doc="Parameter names to record: fnmatch globs or `re:REGEX`; each must match.")
+    update_ratio: bool = _f(True, doc="Also record ||p_new - p_old|| / ||p_old|| (one copy of the recorded "
+                                      "parameters per recorded step).")
+    modules: list[str] = _f(["input_blocks.*", "middle_block", "output_blocks.*", "out"],
+                            doc="Modules whose activation gradients are hooked (outermost glob matches, or "
+                                "`re:REGEX`); each must match.")
+    histogram_bins: int = _f(0, min=0, max=1024, doc="> 0: a histogram of log10|g| per activation gradient.")
+    dump_steps: list[int] = _f([], min=1, doc="Steps (1..train.steps) at which the full activation gradients "
+                                              "of `dump_modules` are saved; they are recorded steps too.")
+    dump_modules: list[str] = _f([], doc="Modules to dump, among the hooked `modules`; needed by `dump_steps`.")
+    dump_max_mb: float = _f(16.0, min=0.0, doc="Cap on dumped megabytes per step; later tensors are skipped "
+                                               "with a warning.")
 
 
 @dataclass(frozen=True)
 class SampleParams:
-    ema_rate: float = _f(0.999, min=0.0, max=1.0)
-    per_class: int = _f(50, min=1)
-    sampler: str = _f("ddim", choices=("ddim", "ddpm"))
-    respacing: str = _f("ddim50")
-    eta: float = _f(0.0, min=0.0, max=1.0)
-    guidance: float = _f(0.5, min=0.0)
-    seed: int = _f(0, min=0)
-    batch_size: int = _f(250, min=1)
-    nproc: int = _f(1, min=1, max=1024)
+    """Read by `sample` (`ema_rate` by `evaluate` too)."""
+
+    ema_rate: float = _f(0.999, min=0.0, max=1.0, doc="Which trained EMA weights to sample from; 0 = the raw "
+                                                      "weights.")
+    per_class: int = _f(50, min=1, doc="Images per class.")
+    sampler: str = _f("ddim", choices=("ddim", "ddpm"), doc="Ancestral DDPM sampling or DDIM.")
+    respacing: str = _f("ddim50", doc="Timesteps to sample on (IDDPM's rule, ddpmrepro/respace.py): '' (all T), "
+                                      "'ddimN' (an integer stride giving exactly N steps), or steps per "
+                                      "section like '10,15,20' (each between 1 and its section's length); "
+                                      "checked against diffusion.timesteps.")
+    eta: float = _f(0.0, min=0.0, max=1.0, doc="DDIM's eta: 0 deterministic, 1 DDPM-like noise.")
+    guidance: float = _f(0.5, min=0.0, doc="Classifier-free guidance w in eps = (1+w) eps_c - w eps_u; "
+                                           "0 = plain conditional.")
+    seed: int = _f(0, min=0, doc="Image k draws its noise from its own generator seeded by (seed, k).")
+    batch_size: int = _f(250, min=1, doc="Images per forward pass (does not change the images).")
+    nproc: int = _f(1, min=1, max=1024, doc="Processes (GPUs); images are sharded, not changed. "
+                                            "`ddpmrepro sample --nproc` overrides it.")
 
 
 @dataclass(frozen=True)
 class EvaluatorParams:
-    seed: int = _f(0, min=0)
-    epochs: int = _f(30, min=1)
-    lr: float = _f(1e-3, min=0.0, min_exclusive=True)
-    batch_size: int = _f(128, min=1)
+    """Read by `fit-evaluator`: the small classifier whose features FID/KID/PR use."""
+
+    seed: int = _f(0, min=0, doc="Initial weights, shuffling and augmentation.")
+    epochs: int = _f(30, min=1, doc="Passes over the training split.")
+    lr: float = _f(1e-3, min=0.0, min_exclusive=True, doc="Adam learning rate.")
+    batch_size: int = _f(128, min=1, doc="Images per step.")
 
 
 @dataclass(frozen=True)
 class EvaluateParams:
-    bpd_images: int = _f(64, min=0)
-    pr_neighbourhood: int = _f(3, min=1)
-    inception_weights: str = _f("")
-    inception_sha256: str = _f("")
+    """Read by `evaluate` (see docs/METRICS.md)."""
+
+    bpd_images: int = _f(64, min=0, doc="Test images for bits/dim (full VLB: T forward passes each); 0 skips it.")
+    pr_neighbourhood: int = _f(3, min=1, doc="k of the k-nearest-neighbour balls of precision/recall.")
+    inception_weights: str = _f("", doc="Local path to the TF-ported inception-2015-12-05 weights for "
+                                        "Inception FID/IS; '' skips them (nothing is downloaded).")
+    inception_sha256: str = _f("", doc="sha256 of those weights, required with them: the file is unpickled, "
+                                       "so only a verified one is loaded.")
 
 
 @dataclass(frozen=True)
 class ReportParams:
-    top_k: int = _f(8, min=1)
+    """Read by `report`."""
+
+    top_k: int = _f(8, min=1, doc="Rows drawn as lines in grad_norm_topk.png (largest mean norm).")
 
 
 @dataclass(frozen=True)
@@ -322,8 +385,74 @@ def save_resolved(params: Params, path: str | Path, sections: typing.Iterable[st
     Path(path).write_text(yaml.safe_dump(d, sort_keys=False))
 
 
+# --- docs/PARAMS.md ---------------------------------------------------------------------------
+
+_TYPE_WORDS = {int: "integer", float: "number", str: "string", bool: "true/false"}
+
+
+def _doc_type(tp) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_doc_type(inner)} or null"
+    if typing.get_origin(tp) in (list, typing.List):
+        return f"list of {_TYPE_WORDS[typing.get_args(tp)[0]]}s"
+    return _TYPE_WORDS[tp]
+
+
+def _doc_value(v) -> str:
+    return "`" + (json.dumps(v) if not isinstance(v, str) else (v or "''")) + "`"
+
+
+def _doc_allowed(meta: dict, listed: bool) -> str:
+    if meta.get("choices") is not None:
+        return " \\| ".join(f"`{c}`" for c in meta["choices"])
+    lo, hi = meta.get("min"), meta.get("max")
+    parts = ([f"{'>' if meta.get('min_exclusive') else '>='} {lo}"] if lo is not None else []) + \
+            ([f"<= {hi}"] if hi is not None else [])
+    return ("each " if listed and parts else "") + ", ".join(parts)
+
+
+def markdown() -> str:
+    """docs/PARAMS.md: every key with its type, default, allowed values and meaning."""
+    out = ["# params.yaml", "",
+           "<!-- Generated by `python -m ddpmrepro.params --markdown > docs/PARAMS.md` from the dataclasses in",
+           "     src/ddpmrepro/params.py; do not edit by hand (tests/test_params.py checks that it is current). -->",
+           "",
+           "One section per stage. Every key is optional: a missing key takes its default (`ddpmrepro info",
+           "--defaults` prints them all). An unknown key, a wrong type or a value outside what is allowed stops",
+           "any stage at load, before it writes anything, with exit code 2 and one line naming the key, e.g.",
+           "`Error: params.yaml: train.precision: 'fp8' is not one of fp32 | fp16 | bf16`. An empty file is",
+           "refused too (write `{}` to mean every default). Steps count completed optimizer updates everywhere.",
+           "", "Checked across keys:",
+           "- `sample.respacing` must respace `diffusion.timesteps` steps (by the very function that respaces);",
+           "- `introspect.steps` and `introspect.dump_steps` lie in 1..`train.steps`; `dump_steps` need `dump_modules`;",
+           "- `train.ema_rates`: at least one, each in (0, 1); `model.channel_mult`: not empty.", ""]
+    for section, cls in typing.get_type_hints(Params).items():
+        out += [f"## {section}", "", " ".join((cls.__doc__ or "").split()), "",
+                "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            listed = "list of" in _doc_type(tp)
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            doc = f.metadata["doc"].replace("|", "\\|")
+            out.append(f"| `{section}.{f.name}` | {_doc_type(tp)} | {_doc_value(default)} | "
+                       f"{_doc_allowed(f.metadata, listed)} | {doc} |")
+        out.append("")
+    return "\n".join(out)
+
+
 __all__ = [
     "Params", "ParamsError", "DataParams", "ModelParams", "DiffusionParams", "TrainParams",
     "IntrospectParams", "SampleParams", "EvaluatorParams", "EvaluateParams", "ReportParams",
-    "load", "from_dict", "save_resolved",
+    "load", "from_dict", "save_resolved", "markdown",
 ]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ddpmrepro.params", description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", required=True, help="print docs/PARAMS.md")
+    parser.parse_args()
+    print(markdown(), end="")
