@@ -172,7 +172,8 @@ class ReportInputError(ValueError):
 
 def _require_dir(path: Path, what: str, option: str) -> None:
     if not path.exists():
-        raise ReportInputError(f"{path}: no such {what} directory; train first (`dvc repro train`) or pass {option} DIR")
+        raise ReportInputError(f"{path}: no such {what} directory; train first (`dvc repro train`) "
+                               f"or pass {option} DIR")
     if not path.is_dir():
         raise ReportInputError(f"{path}: not a directory; {option} takes the {what} directory that train writes")
 
@@ -222,4 +223,5 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
     return written
 
 
-__all__ = ["make_report", "ReportInputError", "group_param_rows", "act_rows", "read_live_metrics", "DVC_PLOTS", "MAX_ROWS"]
+__all__ = ["make_report", "ReportInputError", "group_param_rows", "act_rows", "read_live_metrics", "DVC_PLOTS",
+           "MAX_ROWS"]

@@ -88,8 +88,8 @@ def space_timesteps(num_timesteps: int, section_counts: str | Sequence[int]) -> 
     for i, count in enumerate(counts):
         size = size_per + (1 if i < extra else 0)
         if not 1 <= count <= size:
-            raise ValueError(f"{given}: section {i + 1} of {len(counts)} covers {size} of the {num_timesteps} steps and "
-                             f"cannot keep {count}: each count must be between 1 and its section's length")
+            raise ValueError(f"{given}: section {i + 1} of {len(counts)} covers {size} of the {num_timesteps} steps "
+                             f"and cannot keep {count}: each count must be between 1 and its section's length")
         kept += [start + offset for offset in _section(size, count)]
         start += size
     return set(kept)

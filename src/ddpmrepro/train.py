@@ -292,7 +292,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         stats = torch.zeros(4, dtype=torch.float64, device=device)  # sums of loss, mse, vb; count
         quart = torch.zeros(2, 4, dtype=torch.float64, device=device)  # loss sum, count per t quartile
         if log_sums is not None:  # a resumed window averages the same steps as an uninterrupted one
-            stats.copy_(log_sums[:4]), quart.copy_(log_sums[4:].view(2, 4))
+            stats.copy_(log_sums[:4])
+            quart.copy_(log_sums[4:].view(2, 4))
         first_nonfinite = torch.zeros((), dtype=torch.long, device=device)  # first step with a NaN/inf grad norm; 0: none
         saved_step = start_step
         t_last, imgs_since = time.perf_counter(), 0
