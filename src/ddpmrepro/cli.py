@@ -250,6 +250,7 @@ def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -
     Reads:  params `report.*`; INTROSPECT tables, LIVE metrics.
     Writes: OUT/*.png (grad-norm heatmaps for parameters and activations, top-k layer
             lines, total norm vs clip threshold, loss curves).
+    Fails, writing nothing, when INTROSPECT or LIVE is missing or holds no rows.
     """
     from .report import make_report
 
