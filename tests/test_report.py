@@ -66,13 +66,12 @@ def no_rows_run(root):
 
 @pytest.mark.parametrize("introspect, live, named, words", [
     (None, live_metrics, "introspect", "no such introspection directory"),
-    (lambda d: d.mkdir(), live_metrics, "introspect", "no introspection rows"),
-    (no_rows_run, live_metrics, "introspect", "no introspection rows"),
+    (lambda d: d.mkdir(), live_metrics, "introspect", "no introspection tables"),
     (lambda d: d.write_text("x"), live_metrics, "introspect", "not a directory"),
     (synthetic_run, None, "live", "no such dvclive directory"),
     (synthetic_run, lambda d: d.mkdir(), "live", "no dvclive metrics"),
     (synthetic_run, lambda d: live_metrics(d, rows=False), "live", "no dvclive metrics"),
-], ids=["introspect-missing", "introspect-empty", "introspect-no-rows", "introspect-file", "live-missing",
+], ids=["introspect-missing", "introspect-empty", "introspect-file", "live-missing",
         "live-empty", "live-header-only"])
 def test_a_missing_or_empty_input_fails_in_one_line_naming_it_and_writes_nothing(tmp_path, introspect, live,
                                                                                  named, words):
@@ -113,3 +112,12 @@ def test_act_rows_combine_ranks_to_global_l2(tmp_path):
     assert len(src) == 2
     got = a[(a["step"] == 10) & (a["label"] == "out (in)")]["l2"].item()
     assert got == pytest.approx(math.sqrt((src["l2"] ** 2).sum()))
+
+
+def test_introspection_turned_off_still_draws_the_training_curves(tmp_path, caplog):
+    no_rows_run(tmp_path / "introspect")
+    live_metrics(tmp_path / "live")
+    with caplog.at_level("WARNING", logger="ddpmrepro.report"):
+        paths = make_report(tmp_path / "introspect", tmp_path / "live", tmp_path / "figs", ReportParams(top_k=3))
+    assert [p.name for p in paths] == ["training_curves.png"]
+    assert "no steps recorded" in caplog.text

@@ -14,6 +14,7 @@ directory is an error, not an empty report):
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -165,6 +166,8 @@ def _save(fig, path: Path) -> Path:
     plt.close(fig)
     return path
 
+log = logging.getLogger("ddpmrepro.report")
+
 
 class ReportInputError(ValueError):
     """An input directory of the report is missing or holds nothing to draw (one line, names it)."""
@@ -191,9 +194,15 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
     ag = read_table(introspect_dir, "act_grads")
     st = read_table(introspect_dir, "steps")
     if not (len(pg) or len(ag) or len(st)):
-        raise ReportInputError(
-            f"{introspect_dir}: no introspection rows (param_grads/, act_grads/, steps/ hold no data); train records "
-            "them unless introspect.every is 0 and introspect.steps is empty")
+        # The writer's layout with no rows is a run with introspection turned off (introspect.every 0
+        # and no introspect.steps): the training curves are still worth drawing. Nothing at all is
+        # a wrong path or a damaged output.
+        if not (introspect_dir / "steps.tsv").is_file():
+            raise ReportInputError(
+                f"{introspect_dir}: no introspection tables (param_grads/, act_grads/, steps/, steps.tsv); "
+                "pass --introspect the directory that train writes")
+        log.warning("%s: no steps recorded (introspect.every is 0 and introspect.steps is empty): "
+                    "drawing the training curves only", introspect_dir)
     metrics = read_live_metrics(live_dir)
     if not metrics:
         raise ReportInputError(f"{live_dir}: no dvclive metrics (no plots/metrics/*.tsv with rows); train writes them")
