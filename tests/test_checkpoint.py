@@ -76,3 +76,63 @@ def test_run_lock_refuses_a_second_writer(tmp_path):
                 pass
     with C.RunLock(tmp_path):  # released
         pass
+
+
+# Torch's own wording of a refused load, which a user should never have to read (issue 17, item 7).
+TORCH_WORDS = ("Weights only load failed", "weights_only", "Unsupported", "WeightsUnpickler", "`", "PytorchStreamReader")
+
+
+@pytest.mark.parametrize("damage", ["pickle-payload", "not-an-archive"])
+def test_a_refused_checkpoint_is_explained_in_our_words(tmp_path, damage):
+    path = tmp_path / "step_000000001.pt"
+    if damage == "pickle-payload":
+        with open(path, "wb") as f:
+            torch.save({"evil": Payload()}, f, pickle_module=pickle)
+        what = "holds Python objects other than tensors"
+    else:
+        path.write_bytes(b"PK\x03\x04" + bytes(200))  # a zip header, then nothing torch can read
+        what = "not a torch checkpoint archive that can be read"
+    (tmp_path / "step_000000001.sha256").write_text(C.sha256_file(path))  # the sidecar matches: the load decides
+    with pytest.raises(C.CheckpointError) as info:
+        C.load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: refused to load: ") and what in message
+    assert message.lower().endswith("delete it to resume from an earlier checkpoint")
+    assert "\n" not in message and not [w for w in TORCH_WORDS if w in message], message
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temp_files_of_dead_writers_are_removed_and_a_live_writers_kept(tmp_path):
+    import subprocess
+    import sys
+
+    C.save_checkpoint({"step": 1}, tmp_path, 1, keep=3)
+    dead = tmp_path / f".step_000000002.pt.tmp.{_dead_pid()}"  # a writer killed mid-write
+    # A live writer holds its temp file open; another live process with a leftover's pid (pid reuse) does not.
+    writer = subprocess.Popen([sys.executable, "-c", f"f = open({str(tmp_path)!r} + '/.w', 'wb'); print(1, flush=True); "
+                               "import time; time.sleep(60)"], stdout=subprocess.PIPE)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        writer.stdout.readline()  # the file is open
+        live = tmp_path / f".step_000000002.pt.tmp.{writer.pid}"
+        (tmp_path / ".w").rename(live)  # the writer's open file, under the name it would have
+        reused = tmp_path / f".step_000000002.sha256.tmp.{bystander.pid}"
+        ours = tmp_path / f".step_000000003.pt.tmp.{os.getpid()}"
+        other = tmp_path / ".notes.tmp"  # not a temp file of ours: no pid
+        for f in (dead, reused, ours, other):
+            f.write_bytes(b"partial")
+        removed = C.remove_stale_temp_files(tmp_path)
+        assert sorted(removed) == sorted([dead, reused])
+        assert live.exists() and ours.exists() and other.exists()
+        assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step_000000001.pt"]
+    finally:
+        writer.kill(), bystander.kill()
+        writer.wait(), bystander.wait()

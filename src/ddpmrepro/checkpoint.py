@@ -10,7 +10,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import pickle
 import re
 from pathlib import Path
 
@@ -18,6 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 STEP_FILE = re.compile(r"^step_(\d{9})\.pt$")
+TEMP_FILE = re.compile(r"^\..+\.tmp\.(\d+)$")  # atomic_write_bytes's `.<name>.tmp.<writer pid>`
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -94,8 +98,13 @@ def load_checkpoint(path: Path) -> dict:
         raise CheckpointError(f"{path}: sha256 mismatch (truncated or modified); delete it to resume from an earlier checkpoint")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # UnpicklingError for payloads, RuntimeError for corrupt zips
-        raise CheckpointError(f"{path}: refused to load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    except pickle.UnpicklingError:  # weights_only met something it would have to run code to rebuild
+        raise CheckpointError(f"{path}: refused to load: it holds Python objects other than tensors and plain "
+                              "values, which only code could rebuild (a pickle payload, or a file ddpmrepro did not "
+                              "write); nothing in it was run. Delete it to resume from an earlier checkpoint") from None
+    except Exception:  # a damaged or foreign archive (its sidecar matched, so it was written so)
+        raise CheckpointError(f"{path}: refused to load: not a torch checkpoint archive that can be read; "
+                              "delete it to resume from an earlier checkpoint") from None
 
 
 def checkpoint_step(path: Path) -> int:
@@ -106,6 +115,46 @@ def checkpoint_step(path: Path) -> int:
 def latest_checkpoint(directory: Path) -> Path | None:
     ckpts = list_checkpoints(directory)
     return ckpts[-1] if ckpts else None
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Removes the temp files (`.<name>.tmp.<pid>`) that writers killed mid-write left in `directory`:
+    those whose writer is gone, or whose pid now belongs to a process that does not have the file
+    open. A live writer's file is never touched. Returns what was removed."""
+    removed = []
+    for f in sorted(directory.iterdir()) if directory.is_dir() else []:
+        m = TEMP_FILE.match(f.name)
+        if m and f.is_file() and not _written_by(f, int(m[1])):
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    if removed:
+        log.info("removed %d temp file(s) of interrupted writes in %s", len(removed), directory)
+    return removed
+
+
+def _written_by(path: Path, pid: int) -> bool:
+    """Whether process `pid` is alive and has `path` open (when in doubt: True, keep the file)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    try:
+        target = os.stat(path)
+        fds = Path(f"/proc/{pid}/fd")
+        for fd in fds.iterdir():
+            try:
+                st = os.stat(fd)  # follows the link to the open file
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                return True
+        return False  # the pid was reused by a process that is not writing it
+    except OSError:
+        return True  # no /proc, or not ours to look at
 
 
 # --- exported weights ----------------------------------------------------------------------

@@ -198,6 +198,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         _refuse_interrupted_run_of_other_code(ckpt_dir, p.steps)
     lock = ckpt.RunLock(ckpt_dir) if main else contextlib.nullcontext()
     with lock:
+        if main:
+            ckpt.remove_stale_temp_files(ckpt_dir)  # of writers killed mid-write (we hold the lock now)
         # After a rank failure, `torchrun --max-restarts` relaunches the same command: resume from
         # the checkpoints this run wrote even if the first launch said --restart.
         relaunched = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
