@@ -381,3 +381,101 @@ def test_a_batch_larger_than_the_data_is_one_line_before_anything_is_written(out
     assert_one_line_error(cli("train", "--params", "params.yaml", *STAGE_ARGS["train"]), 1,
                           "train.batch_per_proc=5000 is larger than this rank's 1438 training images")
     assert snapshot(outputs) == before
+
+
+# --- unwritable outputs -------------------------------------------------------------------------------
+
+# Every output option of every stage, with the kind of output behind it.
+OUTPUT_OPTIONS = [("prepare", "--out"), ("fit-evaluator", "--out"), ("train", "--out"), ("train", "--live"),
+                  ("train", "--introspect"), ("train", "--checkpoints"), ("sample", "--out"), ("evaluate", "--out"),
+                  ("report", "--out")]
+
+
+def with_option(stage: str, option: str, value: str) -> list[str]:
+    args = list(STAGE_ARGS[stage])
+    args[args.index(option) + 1] = value
+    return args
+
+
+@pytest.fixture
+def trainable(outputs, prepared) -> Path:
+    """The earlier outputs, with real prepared data and tiny params: a stage that did not check its
+    outputs first would do all its work (train 3 steps) before failing."""
+    shutil.rmtree(outputs / "data")
+    shutil.copytree(prepared, outputs / "data")
+    (outputs / "params.yaml").write_text(yaml.safe_dump(TINY))
+    return outputs
+
+
+def test_every_stage_has_its_outputs_covered():
+    for stage, args in STAGE_ARGS.items():
+        outs = {o for s, o in OUTPUT_OPTIONS if s == stage}
+        assert outs and outs <= set(args), stage
+
+
+@pytest.mark.parametrize("stage, option", OUTPUT_OPTIONS)
+def test_an_output_below_a_file_is_one_line_before_any_work(trainable, stage, option):
+    # e.g. `ddpmrepro train --out README.md/model` trained every step, then failed with NotADirectoryError.
+    before = snapshot(trainable)
+    result = cli(stage, "--params", "params.yaml", *with_option(stage, option, "params.yaml/sub"))
+    assert_one_line_error(result, 1, f"Error: {option} params.yaml/sub: params.yaml is a file, not a directory")
+    assert snapshot(trainable) == before  # nothing trained: no checkpoint directory either
+
+
+@pytest.mark.parametrize("stage, option", [(s, o) for s, o in OUTPUT_OPTIONS if s != "evaluate"])
+def test_a_file_where_an_output_directory_belongs_is_one_line(trainable, stage, option):
+    before = snapshot(trainable)
+    result = cli(stage, "--params", "params.yaml", *with_option(stage, option, "metrics.json"))
+    assert_one_line_error(result, 1, f"Error: {option} metrics.json: is a file; a directory is needed")
+    assert snapshot(trainable) == before
+
+
+def run_with_tmpfs(root: Path, mnt: Path, options: str, commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Runs each command in `root` with a tmpfs mounted on `mnt` with `options` (e.g. `ro`), in a
+    mount namespace of the commands' own (root with CAP_SYS_ADMIN only)."""
+    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    if os.geteuid() != 0 or subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN")
+    driver = ("import json, subprocess, sys\n"
+              f"subprocess.run(['mount', '-t', 'tmpfs', '-o', {options!r}, 'tmpfs', {str(mnt)!r}], check=True)\n"
+              f"out = [subprocess.run(c, capture_output=True, text=True) for c in {commands!r}]\n"
+              "print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in out]))\n")
+    proc = subprocess.run(["unshare", "--mount", sys.executable, "-c", driver], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600, check=True)
+    return [subprocess.CompletedProcess(c, rc, out, err) for c, (rc, out, err) in zip(commands, json.loads(proc.stdout))]
+
+
+def run_with_read_only_dir(root: Path, ro: Path, commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Runs each command in `root` while `ro` is a directory no file can be created in, really:
+    permission bits for a normal user; for root, who ignores them, a read-only mount."""
+    ro.mkdir()
+    if os.geteuid() == 0:
+        return run_with_tmpfs(root, ro, "ro,size=1m", commands)
+    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    ro.chmod(0o555)
+    try:
+        return [subprocess.run(c, cwd=root, env=env, capture_output=True, text=True, timeout=300) for c in commands]
+    finally:
+        ro.chmod(0o755)
+
+
+def test_an_output_in_a_read_only_directory_is_one_line_before_any_work(trainable):
+    before = snapshot(trainable)
+    commands = [[sys.executable, "-m", "ddpmrepro.cli", stage, "--params", "params.yaml",
+                 *with_option(stage, option, f"ro/{option[2:]}")] for stage, option in OUTPUT_OPTIONS]
+    for (stage, option), proc in zip(OUTPUT_OPTIONS, run_with_read_only_dir(trainable, trainable / "ro", commands)):
+        assert proc.returncode == 1 and proc.stdout == "", (stage, option, proc.stderr)
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith(f"Error: {option} ro/{option[2:]}: cannot create files in ro ("), line
+    after = snapshot(trainable)
+    assert after.pop("ro") is None and after == before  # and ro/ stayed empty
+
+
+def test_a_write_that_fails_midway_is_one_line_naming_the_file(trainable):
+    # The check before the work passes (the directory is writable); then the disk fills up.
+    (trainable / "full").mkdir()
+    cmd = [sys.executable, "-m", "ddpmrepro.cli", "prepare", "--params", "params.yaml", "--out", "full/prepared"]
+    (proc,) = run_with_tmpfs(trainable, trainable / "full", "size=16k", [cmd])
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line == "Error: No space left on device while writing --out full/prepared", line

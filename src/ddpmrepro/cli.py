@@ -6,6 +6,7 @@ exits non-zero (2 for params.yaml, 1 otherwise) before anything is written.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -21,7 +22,8 @@ PARAMS_OPTION = click.option("-p", "--params", "params_path", default="params.ya
 
 
 class ParamsFileError(click.ClickException):
-    """A bad params.yaml: one line, exit code 2 (like a usage error), before anything is written."""
+    """A bad params.yaml, or a value that does not fit the data or the model: one line, exit code 2
+    (like a usage error), before anything is written."""
 
     exit_code = 2
 
@@ -33,21 +35,95 @@ def _load_params(path: Path) -> P.Params:
         raise ParamsFileError(f"{path}: {e}" if not str(e).startswith(str(path)) else str(e)) from None
 
 
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _user_error(e: Exception) -> click.ClickException | None:
+    """The one-line error for a user-facing exception; None for a bug, which keeps its traceback."""
+    from .checkpoint import CheckpointError
+    from .data import DataError
+
+    if isinstance(e, P.ParamsError):
+        return ParamsFileError(_first_line(e))
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:  # e.g. an unwritable output
+        names = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
+        return click.ClickException(f"{names}: {e.strerror}")
+    if isinstance(e, (DataError, CheckpointError, FloatingPointError, ValueError, RuntimeError, FileNotFoundError)):
+        return click.ClickException(_first_line(e))
+    return None
+
+
 def user_errors(fn):
-    """Turns the library's user-facing errors into one clear line and a non-zero exit."""
+    """Turns the library's user-facing errors into one clear line and a non-zero exit (2 for params)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from .checkpoint import CheckpointError
-        from .data import DataError
-
         try:
             return fn(*args, **kwargs)
-        except (DataError, CheckpointError, FloatingPointError, ValueError, RuntimeError, FileNotFoundError) as e:
-            if os.environ.get("DDPMREPRO_DEBUG"):
+        except click.ClickException as e:
+            error = e
+        except Exception as e:
+            error = _user_error(e)
+            if error is None or os.environ.get("DDPMREPRO_DEBUG"):
                 raise
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise click.ClickException(msg) from None
+        raise error from None
     return wrapper
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)
+
+
+def writes(**outputs: str):
+    """Declares a command's output options (parameter name -> "dir" or "file") and checks, before
+    the command does any work, that each can be written: otherwise one line naming the option."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            options = {p.name: p.opts[0] for p in click.get_current_context().command.params}
+            for name, kind in outputs.items():
+                problem = output_problem(Path(kwargs[name]), kind)
+                if problem:
+                    raise click.ClickException(f"{options[name]} {kwargs[name]}: {problem}")
+            try:
+                return fn(*args, **kwargs)
+            except OSError as e:
+                # A write that fails on an open file (disk full, quota, I/O error) carries no file name.
+                if e.filename is not None or e.errno not in _WRITE_ERRNOS:
+                    raise
+                written = ", ".join(f"{options[name]} {kwargs[name]}" for name in outputs)
+                raise click.ClickException(f"{e.strerror} while writing {written}") from None
+        return wrapper
+    return decorate
+
+
+def output_problem(path: Path, kind: str) -> str | None:
+    """Why `path` cannot be written as a `kind` output ("dir": a directory, written into or replaced
+    through a temp sibling; "file": replaced through a temp sibling), or None.
+
+    Leaves nothing behind: the directory that would receive the writes (the output directory
+    itself, else its nearest existing ancestor) is probed by creating and removing a temp file,
+    because permission bits say nothing about a read-only mount, and nothing at all to root.
+    """
+    if path.is_dir():
+        return "is a directory; a file path is needed" if kind == "file" else _probe(path)
+    if kind == "dir" and (path.exists() or path.is_symlink()):
+        return "is a file; a directory is needed"
+    parent = next((p for p in path.parents if p.exists()), Path("."))
+    if not parent.is_dir():
+        return f"{parent} is a file, not a directory"
+    return _probe(parent)
+
+
+def _probe(directory: Path) -> str | None:
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=".ddpmrepro-write-test-", dir=directory)
+    except OSError as e:
+        return f"cannot create files in {directory} ({e.strerror})"
+    os.close(fd)
+    os.unlink(name)
+    return None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -67,6 +143,7 @@ def main(verbose: bool) -> None:
 @PARAMS_OPTION
 @click.option("--out", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
 @user_errors
+@writes(out="dir")
 def prepare(params_path: Path, out: Path) -> None:
     """Turn the dataset into the versioned training format.
 
@@ -88,6 +165,7 @@ def prepare(params_path: Path, out: Path) -> None:
 @click.option("--data", "data_dir", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
 @click.option("--out", default="models/evaluator", show_default=True, type=click.Path(path_type=Path))
 @user_errors
+@writes(out="dir")
 def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
     """Train the evaluator classifier on the real training split.
 
@@ -121,6 +199,7 @@ def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
 @click.option("--max-restarts", type=click.IntRange(min=0), default=None,
               help="Under torchrun: restart all ranks this often after one fails; overrides train.max_restarts.")
 @user_errors
+@writes(out="dir", live_dir="dir", introspect_dir="dir", checkpoint_root="dir")
 def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspect_dir: Path,
           checkpoint_root: Path, nproc: int | None, restart: bool, max_restarts: int | None) -> None:
     """Train the conditional UNet (torchrun DDP when nproc > 1).
@@ -186,6 +265,7 @@ def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: 
 @click.option("--out", default="samples", show_default=True, type=click.Path(path_type=Path))
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help="Overrides sample.nproc.")
 @user_errors
+@writes(out="dir")
 def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> None:
     """Generate sample.per_class images per class from the EMA weights.
 
@@ -220,6 +300,7 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
 @click.option("--model", "model_dir", default="models/ddpm", show_default=True, type=click.Path(path_type=Path))
 @click.option("--out", default="metrics.json", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
 @user_errors
+@writes(out="file")
 def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir: Path, model_dir: Path,
              out: Path) -> None:
     """Score the samples: class accuracy, FID/KID/precision/recall (global and per class,
@@ -243,6 +324,7 @@ def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir
 @click.option("--live", "live_dir", default="reports/train/live", show_default=True, type=click.Path(path_type=Path))
 @click.option("--out", default="reports/figures", show_default=True, type=click.Path(path_type=Path))
 @user_errors
+@writes(out="dir")
 def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -> None:
     """Draw the gradient and training figures.
 
