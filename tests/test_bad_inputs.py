@@ -378,9 +378,31 @@ def test_a_batch_larger_than_the_data_is_one_line_before_anything_is_written(out
     shutil.copytree(prepared, outputs / "data")
     (outputs / "params.yaml").write_text(yaml.safe_dump({**TINY, "train": {**TINY["train"], "batch_per_proc": 5000}}))
     before = snapshot(outputs)
-    assert_one_line_error(cli("train", "--params", "params.yaml", *STAGE_ARGS["train"]), 1,
+    assert_one_line_error(cli("train", "--params", "params.yaml", *STAGE_ARGS["train"]), 2,
                           "train.batch_per_proc=5000 is larger than this rank's 1438 training images")
     assert snapshot(outputs) == before
+
+
+# Checks that need the model (introspection patterns against its names) came after the run directory
+# and its lock were created (issue 17, item 4).
+PATTERN_CASES = {
+    "bad-regex": ({"params": ["re:("]}, "introspect.params: introspect pattern 're:(' is not a valid regular expression"),
+    "no-such-parameter": ({"params": ["nope.*"]}, "introspect.params: introspect pattern 'nope.*' matches no parameter"),
+    "no-such-module": ({"modules": ["no_such_module.*"]},
+                       "introspect.modules: introspect pattern 'no_such_module.*' matches no module"),
+    "dump-not-recorded": ({"modules": ["input_blocks.*"], "dump_modules": ["out"], "dump_steps": [0]},
+                          "introspect.modules: dump modules ['out'] are not among the recorded modules"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PATTERN_CASES))
+def test_an_introspection_pattern_that_fits_nothing_is_refused_before_the_run_directory_exists(trainable, case):
+    changes, words = PATTERN_CASES[case]
+    (trainable / "params.yaml").write_text(yaml.safe_dump({**TINY, "introspect": {**TINY["introspect"], **changes}}))
+    shutil.rmtree(trainable / "ckpt")  # no run yet: nothing of it may appear
+    before = snapshot(trainable)
+    assert_one_line_error(cli("train", "--params", "params.yaml", *STAGE_ARGS["train"]), 2, f"Error: {words}")
+    assert snapshot(trainable) == before and not (trainable / "ckpt").exists()  # no <hash>/<version>/, no lock
 
 
 # --- unwritable outputs -------------------------------------------------------------------------------

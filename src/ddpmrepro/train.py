@@ -34,7 +34,7 @@ from . import introspect
 from .data import load_prepared, to_model_range
 from .diffusion import from_params as diffusion_from_params
 from .ema import EmaUpdater, ema_decay, init_ema
-from .params import Params
+from .params import Params, ParamsError
 from .timestep_sampler import PendingUpdate, create_sampler
 from .unet import build_unet
 
@@ -172,8 +172,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     hflip = bool(manifest.get("hflip_ok", False))
     # Refused here, before anything is written. DistributedSampler(drop_last) gives each rank N // W.
     if len(images) // world < p.batch_per_proc:
-        raise RuntimeError(f"train.batch_per_proc={p.batch_per_proc} is larger than this rank's "
-                           f"{len(images) // world} training images; lower it")
+        raise ParamsError(f"train.batch_per_proc={p.batch_per_proc} is larger than this rank's "
+                          f"{len(images) // world} training images; lower it")
 
     # Model, diffusion, optimizer, EMA, timestep sampler.
     torch.manual_seed(p.seed)  # identical initial weights on every rank
@@ -188,6 +188,20 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     emas = {rate: init_ema(raw_model) for rate in p.ema_rates}
     sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps)
     ema_updates, skipped_steps, start_step, log_sums = 0, 0, 0, None
+
+    # Gradient recorders: their patterns are checked against this model here, before anything is written.
+    try:
+        grad_rec = introspect.ParamGradRecorder(raw_model.named_parameters(), params.introspect.params,
+                                                update_ratio=params.introspect.update_ratio)
+    except ValueError as e:
+        raise ParamsError(f"introspect.params: {e}") from None
+    try:
+        act_rec = introspect.ActivationGradRecorder(
+            raw_model, params.introspect.modules, histogram_bins=params.introspect.histogram_bins,
+            dump_steps=params.introspect.dump_steps, dump_modules=params.introspect.dump_modules,
+            dump_max_mb=params.introspect.dump_max_mb, reduction="global")
+    except ValueError as e:
+        raise ParamsError(f"introspect.modules: {e}") from None
 
     # Resume from the newest checkpoint of this exact run: checkpoints/<params+data>/<code>/.
     # Other code never touches that directory, so no finished checkpoint is ever overwritten.
@@ -270,12 +284,6 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             return x0, y, t, weights, noise
 
         # Introspection and logging live on rank 0 (activation stats are reduced over ranks).
-        grad_rec = introspect.ParamGradRecorder(raw_model.named_parameters(), params.introspect.params,
-                                                update_ratio=params.introspect.update_ratio)
-        act_rec = introspect.ActivationGradRecorder(
-            raw_model, params.introspect.modules, histogram_bins=params.introspect.histogram_bins,
-            dump_steps=params.introspect.dump_steps, dump_modules=params.introspect.dump_modules,
-            dump_max_mb=params.introspect.dump_max_mb, reduction="global")
         # Tables and curves are written into the run directory while training (DVC deletes a
         # stage's outputs before rerunning it, so a resumed run would lose the rows written before
         # the kill); the export at the end copies them to the DVC outputs.
