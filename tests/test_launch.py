@@ -8,7 +8,7 @@ from ddpmrepro import launch
 
 def test_single_node_uses_torchrun_standalone():
     cmd = launch.torchrun_command(4, ["train", "--params", "p.yaml"])
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "ddpmrepro.torchrun"]  # torchrun, tied to its launcher (torchrun.py)
     assert "--standalone" in cmd and "--nproc_per_node=4" in cmd
     assert cmd[-5:] == ["-m", "ddpmrepro.cli", "train", "--params", "p.yaml"]
 

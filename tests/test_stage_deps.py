@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENTRY = {  # the modules each stage's command runs (always through the CLI)
     "prepare": ["ddpmrepro.cli", "ddpmrepro.data"],
     "fit_evaluator": ["ddpmrepro.cli", "ddpmrepro.evaluator", "ddpmrepro.data"],
-    "train": ["ddpmrepro.cli", "ddpmrepro.train", "ddpmrepro.launch", "ddpmrepro.gpu_slots"],
-    "sample": ["ddpmrepro.cli", "ddpmrepro.sample", "ddpmrepro.launch", "ddpmrepro.gpu_slots"],
+    "train": ["ddpmrepro.cli", "ddpmrepro.train", "ddpmrepro.launch", "ddpmrepro.gpu_slots", "ddpmrepro.torchrun"],
+    "sample": ["ddpmrepro.cli", "ddpmrepro.sample", "ddpmrepro.launch", "ddpmrepro.gpu_slots", "ddpmrepro.torchrun"],
     "evaluate": ["ddpmrepro.cli", "ddpmrepro.evaluate"],
     "report": ["ddpmrepro.cli", "ddpmrepro.report"],
 }

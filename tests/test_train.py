@@ -553,13 +553,14 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint_to_the_same_b
                     max((int(f.stem[5:]) for f in run.glob("ckpt/*/*/step_*.sha256")), default=0) < after:
                 assert proc.poll() is None and time.time() < deadline, f"no kill {attempt}: {log.read_text()[-3000:]}"
                 time.sleep(0.02)
+            if attempt == 0:  # torchrun was told train.max_restarts
+                assert "--max-restarts=2" in worker.parent().cmdline()
             worker.kill()
         assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             kill_tree(proc)
     text = log.read_text()
-    assert "--max-restarts=2" in text  # from train.max_restarts, printed by the launcher
     import re
 
     resumed = [int(s) for s in re.findall(r"resuming from \S+ \(step (\d+)\)", text)]
@@ -567,10 +568,11 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint_to_the_same_b
     assert_same(final_state(straight_runs(2)), final_state(run), exact=True)
 
 
-def start_and_wait_for(run: Path, data: Path, params: Path, line: str) -> subprocess.Popen:
-    """Starts `ddpmrepro train` (one process) and returns once it printed a line starting with `line`."""
-    proc = subprocess.Popen(train_cmd(run, data, params, 1), env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+def start_and_wait_for(run: Path, data: Path, params: Path, line: str, nproc: int = 1) -> subprocess.Popen:
+    """Starts `ddpmrepro train` as a process-group leader (as `setsid` would) and returns once it
+    printed a line starting with `line`."""
+    proc = subprocess.Popen(train_cmd(run, data, params, nproc), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = []
     for text in proc.stderr:
         seen.append(text)
@@ -580,48 +582,195 @@ def start_and_wait_for(run: Path, data: Path, params: Path, line: str) -> subpro
     raise AssertionError(f"no line {line!r}: {''.join(seen)[-3000:]}")
 
 
+# The same run with one process, or two of half the batch (the launcher, torchrun and two workers).
+BY_NPROC = {1: {}, 2: {"nproc": 2, "batch_per_proc": 8}}
+
+
 @pytest.mark.slow
-def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes_to_the_same_bits(tmp_path, prepared, straight_runs):
-    # SIGTERM (preemption) and a first Ctrl-C share one handler; the next test presses Ctrl-C.
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes_to_the_same_bits(tmp_path, prepared, straight_runs,
+                                                                                  nproc):
+    # SIGTERM (preemption, `kill -- -PGID`) of the process group, and a first Ctrl-C, share one handler;
+    # the next test presses Ctrl-C.
     import re
     import signal
 
     # No periodic checkpoint before the end: the one we find is the one the signal asked for.
-    params = write_params(tmp_path / "p.yaml", train={"checkpoint_every": 100})
+    params = write_params(tmp_path / "p.yaml", train={"checkpoint_every": 100, **BY_NPROC[nproc]})
     run = tmp_path / "run"
-    proc = start_and_wait_for(run, prepared, params, "step 2/8")
-    proc.send_signal(signal.SIGTERM)
+    proc = start_and_wait_for(run, prepared, params, "step 2/8", nproc)
+    os.killpg(proc.pid, signal.SIGTERM)
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 130, err
     assert "SIGTERM received: saving a checkpoint at the end of this step" in err
+    assert "Traceback" not in err and "Error" not in err  # torchrun's SignalException stays in its log
     stopped = re.search(r"^stopped at step (\d)/8; checkpoint saved in (\S+)\. Rerun the same command "
                         r"\(or `dvc repro`\) to resume\.$", err, re.M)
     assert stopped, err
     assert [int(s) for s in checkpoints(run)] == [int(stopped[1])] and 2 <= int(stopped[1]) < 8
     assert Path(stopped[2]) == next((run / "ckpt").glob("*/*"))
     assert not (run / "model").exists()
-    run_train(run, prepared, params, nproc=1)  # "rerun the same command"
-    assert_same(final_state(straight_runs(1)), final_state(run), exact=True)
-    assert live_series(run) == live_series(straight_runs(1))  # no extra point at the stop
+    run_train(run, prepared, params, nproc)  # "rerun the same command"
+    assert_same(final_state(straight_runs(nproc)), final_state(run), exact=True)
+    assert live_series(run) == live_series(straight_runs(nproc))  # no extra point at the stop
 
 
 @pytest.mark.slow
-def test_a_second_ctrl_c_exits_at_once_and_leaves_every_checkpoint_whole(tmp_path, prepared, straight_runs):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_second_ctrl_c_exits_at_once_and_leaves_every_checkpoint_whole(tmp_path, prepared, straight_runs, nproc):
     import signal
 
-    params = write_params(tmp_path / "p.yaml", train={"checkpoint_every": 1, "keep_checkpoints": 10})
+    params = write_params(tmp_path / "p.yaml", train={"checkpoint_every": 1, "keep_checkpoints": 10, **BY_NPROC[nproc]})
     run = tmp_path / "run"
-    proc = start_and_wait_for(run, prepared, params, "step 2/8")
-    proc.send_signal(signal.SIGINT)
+    proc = start_and_wait_for(run, prepared, params, "step 2/8", nproc)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground process group
     for text in proc.stderr:
         if text.startswith("SIGINT received"):
             break
-    proc.send_signal(signal.SIGINT)  # at once: inside the step, or inside a checkpoint write
+    os.killpg(proc.pid, signal.SIGINT)  # at once: inside the step, or inside a checkpoint write
     err = proc.stderr.read()
     assert proc.wait(timeout=30) == 1 and err.strip().splitlines()[-1] == "Aborted!", err
     assert "stopped at step" not in err
     (ckpt_dir,) = (run / "ckpt").glob("*/*")
-    assert not [f for f in ckpt_dir.iterdir() if ".tmp." in f.name]
+    if nproc == 1:  # the write was unwound; with torchrun the workers were killed, maybe mid-write
+        assert not [f for f in ckpt_dir.iterdir() if ".tmp." in f.name]
     assert checkpoints(run)  # every complete checkpoint loads
-    run_train(run, prepared, params, nproc=1)
-    assert_same(final_state(straight_runs(1)), final_state(run), exact=True)
+    run_train(run, prepared, params, nproc)
+    assert not [f for f in ckpt_dir.iterdir() if ".tmp." in f.name]  # the rerun removed what a kill left
+    assert_same(final_state(straight_runs(nproc)), final_state(run), exact=True)
+
+
+def family(proc: subprocess.Popen) -> list["psutil.Process"]:
+    """The launcher and every process under it: torchrun and its workers (in sessions of their own)."""
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def newest_checkpoint_step(run: Path) -> int:
+    return max((int(f.stem[5:]) for f in run.glob("ckpt/*/*/step_*.sha256")), default=0)
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_or_its_process_group_leaves_no_worker_and_the_rerun_resumes_to_the_same_bits(
+        tmp_path, prepared, straight_runs):
+    # `setsid ddpmrepro train` with 2 processes, then SIGKILL: of the launcher alone, then of its whole
+    # process group (`kill -9 -- -PGID`). torchrun starts its workers in sessions of their own: they
+    # used to survive both, training on and holding the run lock and their GPUs.
+    import signal
+
+    import psutil
+
+    from ddpmrepro.checkpoint import CheckpointError, RunLock
+
+    params = write_params(tmp_path / "p.yaml", train={**BY_NPROC[2], "checkpoint_every": 1, "keep_checkpoints": 10})
+    run = tmp_path / "run"
+    for kill in (lambda proc: os.kill(proc.pid, signal.SIGKILL), lambda proc: os.killpg(proc.pid, signal.SIGKILL)):
+        done = newest_checkpoint_step(run)
+        proc = subprocess.Popen(train_cmd(run, prepared, params, 2), env=env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.time() + 300
+        while proc.poll() is None and newest_checkpoint_step(run) <= done and time.time() < deadline:
+            time.sleep(0.02)
+        processes = family(proc)
+        assert proc.poll() is None and len(processes) == 4, proc.stderr.read().decode()[-3000:]
+        kill(proc)
+        proc.wait()
+        gone, alive = psutil.wait_procs(processes, timeout=30)
+        assert not alive, f"survived the kill: {[p.cmdline()[:4] for p in alive]}"
+        (ckpt_dir,) = (run / "ckpt").glob("*/*")
+        try:
+            with RunLock(ckpt_dir):  # free: nobody trains into the run any more
+                pass
+        except CheckpointError as e:
+            raise AssertionError(f"the run lock is still held: {e}") from None
+        assert not (run / "model").exists()
+    # A temp file of a writer killed mid-write (as a kill inside a checkpoint write leaves it) ...
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = ckpt_dir / f".step_000000007.pt.tmp.{int(dead.stdout)}"
+    stale.write_bytes(b"half a checkpoint")
+    run_train(run, prepared, params, 2)
+    # ... is gone after the rerun, which ends bitwise where an uninterrupted run ends.
+    assert not [f.name for f in ckpt_dir.iterdir() if ".tmp." in f.name]
+    assert_same(final_state(straight_runs(2)), final_state(run), exact=True)
+
+
+# A failure inside a worker that is not a user error: rank 1 crashes in its third training step.
+CRASH_SITECUSTOMIZE = """
+import os
+if os.environ.get("RANK") == "1":
+    import ddpmrepro.train as T
+    real = T.diffusion_from_params
+
+    def broken(*args, **kwargs):
+        diffusion = real(*args, **kwargs)
+        clean, calls = diffusion.training_losses, [0]
+
+        def training_losses(*a, **k):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyError("injected bug")
+            return clean(*a, **k)
+        diffusion.training_losses = training_losses
+        return diffusion
+    T.diffusion_from_params = broken
+"""
+
+
+def damaged_data(tmp_path: Path, prepared: Path) -> Path:
+    data = tmp_path / "data"
+    shutil.copytree(prepared, data)
+    blob = bytearray((data / "test.npz").read_bytes())
+    blob[len(blob) // 2] ^= 1
+    (data / "test.npz").write_bytes(bytes(blob))
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["params", "data"])
+def test_a_user_error_in_the_workers_is_the_single_process_line_and_exit_code(tmp_path, prepared, case):
+    # `train.nproc: 2` with a batch larger than the data printed the right line twice, then torchrun's
+    # 44-line ChildFailedError report. Now: the line once, and the exit code of one process.
+    data = damaged_data(tmp_path, prepared) if case == "data" else prepared
+    batch = 16 if case == "data" else 5000
+    results = {}
+    for nproc in (1, 2):
+        params = write_params(tmp_path / f"p{nproc}.yaml", train={"nproc": nproc, "batch_per_proc": batch})
+        run = tmp_path / f"run{nproc}"
+        proc = subprocess.run(train_cmd(run, data, params, nproc), env=env(), capture_output=True, text=True,
+                              timeout=300)
+        results[nproc] = proc.returncode, proc.stderr.splitlines()
+        assert proc.stdout == "" and not run.exists(), proc.stderr  # nothing written, no run directory
+    if case == "params":
+        assert results == {n: (2, [f"Error: train.batch_per_proc=5000 is larger than this rank's {1438 // n} training "
+                                   "images; lower it"]) for n in (1, 2)}
+    else:
+        code, lines = results[1]
+        assert code == 1 and len(lines) == 1 and lines[0].startswith(f"Error: {data / 'test.npz'}: sha256 does not match")
+        assert results[2] == results[1]  # word for word
+
+
+@pytest.mark.slow
+def test_a_crash_in_a_worker_shows_its_traceback_and_names_torchruns_log(tmp_path, prepared):
+    import re
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CRASH_SITECUSTOMIZE)
+    params = write_params(tmp_path / "p.yaml", train=BY_NPROC[2])
+    proc = subprocess.run(train_cmd(tmp_path / "run", prepared, params, 2), capture_output=True, text=True,
+                          env={**env(), "PYTHONPATH": f"{hook}{os.pathsep}{SRC}"}, timeout=300)
+    assert proc.returncode == 1
+    assert "KeyError: 'injected bug'" in proc.stderr  # the worker's own traceback, for debugging
+    assert "torch/distributed/run.py" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1, proc.stderr
+    m = re.fullmatch(r"Error: rank 1 \(pid \d+\) exited with code 1; its output is above, torchrun's log is (\S+)",
+                     errors[0])
+    assert m, errors
+    log = Path(m[1])
+    try:
+        assert "ChildFailedError" in log.read_text() or "Root Cause" in log.read_text()
+    finally:
+        shutil.rmtree(log.parent)

@@ -55,9 +55,12 @@ def _user_error(e: Exception) -> click.ClickException | None:
 
 
 def user_errors(fn):
-    """Turns the library's user-facing errors into one clear line and a non-zero exit (2 for params)."""
+    """Turns the library's user-facing errors into one clear line and a non-zero exit (2 for
+    params). In a torchrun worker the line goes to the agent, which prints the first rank's once."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from .torchrun import report_error
+
         try:
             return fn(*args, **kwargs)
         except click.ClickException as e:
@@ -65,7 +68,11 @@ def user_errors(fn):
         except Exception as e:
             error = _user_error(e)
             if error is None or os.environ.get("DDPMREPRO_DEBUG"):
+                report_error(None, 1)  # a crash (traceback follows): when, for the agent to find the root cause
                 raise
+        if report_error(error.format_message(), error.exit_code):
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(error.exit_code)  # no interpreter teardown: NCCL would warn about the live process group
         raise error from None
     return wrapper
 
@@ -135,6 +142,9 @@ def main(verbose: bool) -> None:
     Stages, in pipeline order: prepare, fit-evaluator, train, sample, evaluate, report.
     Run them all with `dvc repro` or `snakemake --cores all`; each reads params.yaml.
     """
+    from .torchrun import die_with_agent
+
+    die_with_agent()  # a torchrun worker: first of all (torch takes seconds to import), as workers run outside our group
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(name)s: %(message)s",
                         stream=sys.stderr)
 
@@ -228,7 +238,7 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
                                                                               max_restarts=max_restarts)))
         if launch.slurm_nodes() > 1:
             raise SystemExit(launch.run_launcher(launch.srun_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ),
-                                                                               max_restarts=max_restarts)))
+                                                                               max_restarts=max_restarts), srun=True))
         if nproc > 1:
             raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]),
                                                                          max_restarts=max_restarts)))

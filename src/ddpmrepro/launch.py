@@ -5,14 +5,21 @@
 - several processes on one node: re-exec under `torchrun --standalone`;
 - a multi-node SLURM allocation: `srun torchrun` with the rendezvous taken from SLURM;
 - already started by srun once per node: this node's torchrun, same rendezvous (never srun again).
+
+"torchrun" is `python -m ddpmrepro.torchrun`: torchrun whose workers die with it and whose failures
+are one line (see torchrun.py). `run_launcher` ties it to this process in turn.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+
+log = logging.getLogger(__name__)
 
 
 def slurm_nodes() -> int:
@@ -47,7 +54,7 @@ def torchrun_command(nproc: int, worker_args: list[str], *, max_restarts: int = 
     """torchrun for one node; `--standalone` picks a free port and a fresh rendezvous id,
     so concurrent jobs on one host never collide."""
     return [
-        *_restartable(max_restarts), sys.executable, "-m", "torch.distributed.run",
+        *_restartable(max_restarts), sys.executable, "-m", "ddpmrepro.torchrun",
         "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
         "-m", "ddpmrepro.cli", *worker_args,
     ]
@@ -74,7 +81,7 @@ def node_torchrun_command(nproc: int, worker_args: list[str], env: dict, *, port
 
 def _rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restarts) -> list[str]:
     return [
-        *_restartable(max_restarts), sys.executable, "-m", "torch.distributed.run",
+        *_restartable(max_restarts), sys.executable, "-m", "ddpmrepro.torchrun",
         f"--nnodes={nodes}", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={head}:{port}", f"--rdzv_id={env.get('SLURM_JOB_ID', 'ddpmrepro')}",
         "-m", "ddpmrepro.cli", *worker_args,
@@ -137,15 +144,54 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
 
 
-def run_launcher(cmd: list[str]) -> int:
-    """Runs the launcher with this package's source first on PYTHONPATH, so workers import
-    exactly the code DVC hashed (matters for queued experiments in temp clones)."""
+def run_launcher(cmd: list[str], *, srun: bool = False) -> int:
+    """Runs torchrun (or `srun torchrun`) and returns its exit code.
+
+    - With this package's source first on PYTHONPATH, so workers import exactly the code DVC
+      hashed (matters for queued experiments in temp clones).
+    - It dies with this process, whatever kills it (a parent-death signal checked against our pid):
+      torchrun by SIGKILL, and its workers with it; srun by SIGTERM, which ends its job step in order.
+    - It inherits our GPU-slot locks (flock belongs to the open file): the GPUs stay claimed until
+      the last process that could use them is gone.
+    - Stop signals reach it once, from us. torchrun runs in a session of its own (as its workers
+      do), so a SIGINT/SIGTERM of our process group (Ctrl-C, `kill -- -PGID`, a scheduler) or of this
+      process alone is relayed to it exactly once, and its workers save a checkpoint and exit (130).
+      A second Ctrl-C is relayed too and ends everything at once ("Aborted!"). srun stays in our
+      process group: Ctrl-C reaches it from the terminal, so only SIGTERM/SIGHUP are relayed.
+    """
+    from .gpu_slots import held_fds
+    from .torchrun import parent_death_signal
+
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
-    # The launcher inherits our GPU-slot locks (flock belongs to the open file, not the process):
-    # if this process is killed while torchrun's workers keep running, their GPUs stay claimed.
-    from .gpu_slots import held_fds
+    log.debug("+ %s", shlex.join(cmd))
+    launcher, death = os.getpid(), signal.SIGTERM if srun else signal.SIGKILL
 
-    return subprocess.call(cmd, env=env, pass_fds=held_fds())
+    def die_with_launcher():  # in the child, before exec
+        if not parent_death_signal(death, launcher):
+            os._exit(1)
+
+    relay = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
+    if not srun:
+        relay[signal.SIGINT] = signal.SIGINT
+    proc = subprocess.Popen(cmd, env=env, pass_fds=held_fds(), preexec_fn=die_with_launcher, start_new_session=not srun)
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        if signum in relay and proc.poll() is None:
+            os.kill(proc.pid, relay[signum])
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if received.count(signal.SIGINT) > 1:
+        raise KeyboardInterrupt  # Ctrl-C twice: "Aborted!", as a single process says it
+    if code < 0:  # torchrun or srun killed by a signal we did not send it
+        print(f"Error: {'srun' if srun else 'torchrun'} (pid {proc.pid}) was killed by {signal.Signals(-code).name}; "
+              "its workers died with it", file=sys.stderr)
+        return 128 - code
+    return code

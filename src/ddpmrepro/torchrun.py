@@ -1,0 +1,193 @@
+"""`python -m ddpmrepro.torchrun ARGS`: torchrun (torch.distributed.run, same arguments) as
+`ddpmrepro train` and `ddpmrepro sample` run it. It differs in what happens when something fails
+or dies:
+
+- **Workers die with it.** torchrun starts each worker in a session of its own, so a kill of the
+  launcher's process group never reaches them and they would train on, holding the run lock and
+  their GPUs. Each worker asks the kernel for SIGKILL when this process dies (`die_with_agent`,
+  PR_SET_PDEATHSIG), checked against the pid exported here in case it died first.
+- **One line per failure.** A worker's user error (bad params, data, checkpoint) is not printed
+  by the worker but written to a file (`report_error`); this process prints the first one (the
+  root cause: the other ranks fail after it, e.g. with "connection closed by peer") once, as the
+  single-process run would, and exits with the worker's exit code. Its own log (warnings, the
+  ChildFailedError report) goes to a file that is named when a worker crashed and removed when
+  all went well; the workers' output still goes to the terminal.
+- **A repeated SIGTERM does not cut the orderly shutdown short.** A scheduler may signal every
+  process while the launcher relays the same signal; torchrun would treat the second one as an
+  abort. A second SIGINT (Ctrl-C twice) still leaves at once: this process exits and the kernel
+  kills the workers (their checkpoints are atomic). After a stop signal it exits with 130.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+AGENT_PID = "DDPMREPRO_TORCHRUN_PID"  # exported to the workers: the parent they must die with
+ERROR_DIR = "DDPMREPRO_ERROR_DIR"  # where workers write their one-line user errors
+_PR_SET_PDEATHSIG = 1
+# Loaded at import, in the parent: a forked child about to exec only calls it.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def parent_death_signal(sig: int, parent: int | None) -> bool:
+    """Asks the kernel to send `sig` to this process when its parent dies. False (and nothing
+    asked) when the parent is already gone: not `parent`, or reparented to init when unknown.
+
+    Call it in the child, from the thread that will outlive the start: the signal follows the
+    death of the parent *thread* that forked us (torchrun and the launcher fork from their main thread).
+    """
+    if _LIBC is None:
+        return True  # no prctl: the process-group kill of the README is Linux-only
+    if _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    # The parent may have died between our fork and the prctl: then nothing will ever signal us.
+    ppid = os.getppid()
+    return ppid == parent if parent is not None else ppid != 1
+
+
+def die_with_agent() -> None:
+    """In a worker started by torchrun: SIGKILL this process when the agent that started it dies,
+    however it dies (a SIGKILL of the launcher's process group included)."""
+    if AGENT_PID not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # not started by a torchrun agent (e.g. srun with the rendezvous set by hand)
+    agent = int(os.environ[AGENT_PID]) if os.environ.get(AGENT_PID) else None  # plain torchrun: not known
+    if not parent_death_signal(signal.SIGKILL, agent):
+        os.kill(os.getpid(), signal.SIGKILL)  # the agent died before we could ask: go as the others went
+
+
+# --- worker errors ---------------------------------------------------------------------------------
+
+
+def report_error(message: str | None, exit_code: int) -> bool:
+    """In a worker: hands a one-line user error to the agent instead of printing it (every rank
+    usually fails the same way), or, with message None, notes when this rank crashed (it prints its
+    traceback itself). False when there is no agent to hand it to, or the file cannot be written."""
+    directory = os.environ.get(ERROR_DIR)
+    if not directory:
+        return False
+    rank = os.environ.get("RANK", "0")
+    record = {"time": time.time(), "rank": int(rank), "exit_code": exit_code, "message": message}
+    try:
+        tmp = Path(directory) / f".rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, tmp.with_name(f"rank{rank}.json"))  # the agent never reads half a file
+    except OSError:
+        return False
+    return True
+
+
+def reported_errors(directory: Path) -> list[dict]:
+    """What the workers reported, earliest first: the first is the root cause, the others followed
+    from it (a peer's "connection closed by peer", say)."""
+    records = []
+    for f in Path(directory).glob("rank*.json"):
+        try:
+            records.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(records, key=lambda r: (r["time"], r["rank"]))
+
+
+# --- the agent -------------------------------------------------------------------------------------
+
+
+def _stop_signals_once() -> None:
+    """The first SIGINT/SIGTERM/SIGHUP starts torchrun's orderly shutdown (the workers get the
+    signal and save a checkpoint); later SIGTERM/SIGHUP are ignored; a later SIGINT exits at once."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    torch_handler, first = api._terminate_process_handler, []
+
+    def handler(signum, frame):
+        if not first:
+            first.append(signum)
+            torch_handler(signum, frame)  # raises SignalException: torchrun stops its workers with signum
+        elif signum == signal.SIGINT:
+            os._exit(130)  # the workers die with us (die_with_agent)
+    # torchrun installs its handler when it starts the workers (every restart): make that one ours.
+    api._terminate_process_handler = handler
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def _exit_code(exitcode: int) -> int:
+    """A worker's exit code as a shell reports it (killed by signal N: 128 + N)."""
+    return exitcode if exitcode > 0 else 128 - exitcode if exitcode < 0 else 1
+
+
+def main(argv: list[str]) -> int:
+    terminal = sys.stderr
+    work = Path(tempfile.mkdtemp(prefix="ddpmrepro-torchrun-"))
+    log_path = work / "torchrun.log"
+    # torchrun's own output goes to the log; the workers inherit file descriptor 2, the terminal.
+    sys.stderr = open(log_path, "a", buffering=1)  # noqa: SIM115 (open for the life of the process)
+    print("torchrun " + " ".join(argv), file=sys.stderr)
+    os.environ[AGENT_PID] = str(os.getpid())
+    os.environ[ERROR_DIR] = str(work / "errors")
+    (work / "errors").mkdir()
+
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    _stop_signals_once()
+    keep_log, code = False, 0
+    try:
+        run.main(argv)
+    except SignalException:
+        code = 130  # the workers saved a checkpoint and said so
+    except ChildFailedError as e:
+        code, keep_log = _report(e, work, log_path, terminal)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # into the log
+        where = f" on {socket.gethostname()}" if os.environ.get("SLURM_JOB_ID") else ""
+        print(f"Error: torchrun failed before its workers ended; its log is {log_path}{where}", file=terminal)
+        keep_log, code = True, 1
+    finally:
+        sys.stderr.flush()
+        _clean(work, keep_log)
+    return code
+
+
+def _report(e, work: Path, log_path: Path, terminal) -> tuple[int, bool]:
+    """Prints one line for a failed worker group; returns (exit code, keep the log).
+
+    The root cause is a rank killed by a signal (it could report nothing; its peers' errors followed
+    from its death), else the earliest report: a user error (its line, its exit code, as one
+    process would print it) or a crash (the rank printed its traceback; we say which rank it was).
+    """
+    print(e.format_msg(), file=sys.stderr)  # torchrun's report: every failed rank, into the log
+    reports = reported_errors(work / "errors")
+    reported = {r["rank"] for r in reports}
+    killed = [rank for rank, f in sorted(e.failures.items()) if f.exitcode < 0 and rank not in reported]
+    if not killed and reports and reports[0]["message"] is not None:
+        print(f"Error: {reports[0]['message']}", file=terminal, flush=True)
+        return reports[0]["exit_code"], False
+    rank = killed[0] if killed else reports[0]["rank"] if reports else e.get_first_failure()[0]
+    failure = e.failures.get(rank)
+    code = failure.exitcode if failure is not None else reports[0]["exit_code"]
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    pid = f" (pid {failure.pid})" if failure is not None else ""
+    where = f" on {socket.gethostname()}" if os.environ.get("SLURM_JOB_ID") else ""
+    print(f"Error: rank {rank}{pid} {how}; its output is above, torchrun's log is {log_path}{where}",
+          file=terminal, flush=True)
+    return _exit_code(code), True
+
+
+def _clean(work: Path, keep_log: bool) -> None:
+    import shutil
+
+    shutil.rmtree(work / "errors" if keep_log else work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
