@@ -4,6 +4,13 @@ left corrupt.
 
     PYTHONPATH=src python scripts/kill_train.py --kills 10 --nproc 1 --json benchmarks/results/kill_train.json
     PYTHONPATH=src python scripts/kill_train.py --stage sample --kills 10 --nproc 1
+    PYTHONPATH=src python scripts/kill_train.py --kill group --kills 5 --nproc 2
+
+`--kill tree` (the default) SIGKILLs the launcher and every process under it at once, as a batch
+system's cgroup kill does. `--kill group` SIGKILLs the launcher's process group only (`setsid
+ddpmrepro train`, then `kill -9 -- -PGID`): torchrun starts its workers in sessions of their own,
+so they must die of their parent's death; every process that was under the launcher must be gone
+within 5 s (`survivors` counts those that were not, and the run lock must be free again).
 
 Checkpoints are written every step, so many kills land during a write. After every kill each
 complete checkpoint (data file + sha256 sidecar) must verify and load; a data file without a
@@ -20,6 +27,7 @@ import io
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,7 +75,7 @@ def verify_checkpoints(run: Path) -> list[int]:
     return sorted(steps)
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> int:
     """SIGKILL the launcher and every descendant at once, as a batch system's cgroup kill does
     (torchrun's workers may run in their own process groups and would outlive the launcher)."""
     import psutil
@@ -80,6 +88,58 @@ def kill_tree(proc: subprocess.Popen) -> None:
             pass
     proc.wait()
     psutil.wait_procs(family, timeout=30)
+    return 0
+
+
+def still_running(procs: list, timeout: float) -> list:
+    """The processes of `procs` still running after `timeout` seconds (a zombie is not running:
+    where nothing reaps orphans, a killed one stays a zombie)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    running.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)
+
+
+def kill_group(proc: subprocess.Popen) -> int:
+    """SIGKILL the launcher's process group only (`kill -9 -- -PGID`; the launcher leads it); returns
+    how many of the processes that were under it still run 5 s later (then kills them). Workers die
+    of their parent's death at once: 5 s is only slack for a loaded machine."""
+    import psutil
+
+    family = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    alive = still_running(family, timeout=5)
+    for p in alive:  # orphans: report them, then clean up so that the next launch is not disturbed
+        p.kill()
+    psutil.wait_procs(alive, timeout=30)
+    return len(alive)
+
+
+KILLS = {"tree": kill_tree, "group": kill_group}
+
+
+def lock_free(run: Path) -> bool:
+    """No process holds the run lock of any run directory (checked right after a kill)."""
+    from ddpmrepro.checkpoint import CheckpointError, RunLock
+
+    for d in (run / "ckpt").glob("*/*"):
+        try:
+            with RunLock(d):
+                pass
+        except CheckpointError:
+            return False
+    return True
 
 
 def newest_step(run: Path) -> int:
@@ -88,11 +148,12 @@ def newest_step(run: Path) -> int:
     return max(steps, default=0)
 
 
-def run_with_kills(run: Path, data: Path, params: Path, nproc: int, targets: list[int], rng: random.Random) -> dict:
-    """Launch after launch, SIGKILLs the whole process group once training has passed the next
+def run_with_kills(run: Path, data: Path, params: Path, nproc: int, targets: list[int], rng: random.Random,
+                   kill: str = "tree") -> dict:
+    """Launch after launch, SIGKILLs the launcher's processes once training has passed the next
     target step plus a random 0-0.2 s (checkpoints are written every step, so the kill often
     lands inside a write); then verifies the checkpoints and launches again."""
-    kills, launches, at_kill = 0, 0, []
+    kills, launches, at_kill, survivors, locked = 0, 0, [], 0, 0
     for target in targets + [None]:
         launches += 1
         proc = subprocess.Popen(command(run, data, params, nproc), env=env(), stdout=subprocess.DEVNULL,
@@ -102,7 +163,8 @@ def run_with_kills(run: Path, data: Path, params: Path, nproc: int, targets: lis
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.2))
             if proc.poll() is None:
-                kill_tree(proc)
+                survivors += KILLS[kill](proc)
+                locked += not lock_free(run)
                 kills += 1
                 steps = verify_checkpoints(run)
                 at_kill.append(steps[-1] if steps else 0)
@@ -112,7 +174,9 @@ def run_with_kills(run: Path, data: Path, params: Path, nproc: int, targets: lis
             raise RuntimeError(f"training failed after {kills} kills: {err.decode()[-2000:]}")
         if (run / "model" / "model.safetensors").exists():
             break
-    return {"kills": kills, "launches": launches, "last_checkpoint_at_each_kill": at_kill}
+    return {"kills": kills, "launches": launches, "last_checkpoint_at_each_kill": at_kill, "kill": kill,
+            "survivors": survivors, "lock_held_after_kill": locked,
+            "temp_files_left": sorted(f.name for f in run.glob("ckpt/*/*/.*.tmp.*"))}
 
 
 def same_result(a: Path, b: Path) -> bool:
@@ -132,7 +196,7 @@ def _workdir_with_data(workdir: Path | None, prefix: str) -> tuple[Path, Path]:
     return root, data
 
 
-def main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = None) -> dict:
+def main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = None, kill: str = "tree") -> dict:
     rng = random.Random(seed)
     root, data = _workdir_with_data(workdir, "kill_train_")
     raw = {k: dict(v) for k, v in PARAMS.items()}
@@ -143,7 +207,7 @@ def main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = 
     subprocess.run(command(root / "straight", data, params, nproc), env=env(), check=True, capture_output=True)
     steps = raw["train"]["steps"]
     targets = sorted(rng.sample(range(1, steps - 1), kills))
-    killed = run_with_kills(root / "killed", data, params, nproc, targets, rng)
+    killed = run_with_kills(root / "killed", data, params, nproc, targets, rng, kill)
     result = {**killed, "nproc": nproc, "kill_after_steps": targets, "steps": steps,
               "checkpoints_after": verify_checkpoints(root / "killed"),
               "bitwise_identical": same_result(root / "straight", root / "killed"),
@@ -186,12 +250,12 @@ def output_state(out: Path, earlier: dict[str, bytes], complete: dict) -> str:
 
 
 def kill_sampling(root: Path, out: Path, nproc: int, kills: int, full_seconds: float, rng: random.Random,
-                  earlier: dict, complete: dict) -> dict:
+                  earlier: dict, complete: dict, kill: str = "tree") -> dict:
     """Launch after launch, SIGKILLs `ddpmrepro sample`: every other kill just after it began
     writing its output (the temp directory beside OUT appears), the others at a random moment of
     its run; after each kill, checks what the output directory holds."""
     tmp = out.with_name(f".{out.name}.tmp")
-    moments, states, launches = [], [], 0
+    moments, states, launches, survivors = [], [], 0, 0
     while len(moments) < kills and launches < 3 * kills:
         launches += 1
         started = time.time()
@@ -205,13 +269,13 @@ def kill_sampling(root: Path, out: Path, nproc: int, kills: int, full_seconds: f
             time.sleep(rng.uniform(0.0, full_seconds))
         if proc.poll() is None:
             moment, writing = time.time() - started, tmp.exists() and tmp.stat().st_mtime >= started
-            kill_tree(proc)
+            survivors += KILLS[kill](proc)
             moments.append(f"{moment:.2f}s{' (writing)' if writing else ''}")
         elif proc.returncode != 0:
             raise RuntimeError(f"sampling failed (exit {proc.returncode}) after {len(moments)} kills")
         states.append(output_state(out, earlier, complete))  # after a kill, or a run that ended first
-    return {"kills": len(moments), "launches": launches + 1, "kill_moments": moments,
-            "output_after_each_launch": states}
+    return {"kills": len(moments), "launches": launches + 1, "kill_moments": moments, "kill": kill,
+            "survivors": survivors, "output_after_each_launch": states}
 
 
 def train_in_process(raw: dict, data: Path, run: Path) -> None:
@@ -227,7 +291,8 @@ def train_in_process(raw: dict, data: Path, run: Path) -> None:
         torch.set_num_threads(threads)
 
 
-def sample_main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = None) -> dict:
+def sample_main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | None = None,
+                kill: str = "tree") -> dict:
     rng = random.Random(seed)
     root, data = _workdir_with_data(workdir, "kill_sample_")
     raw = {k: dict(v) for k, v in PARAMS.items()}
@@ -244,7 +309,7 @@ def sample_main(kills: int = 10, nproc: int = 1, seed: int = 0, workdir: Path | 
     for name in ("samples.npz", "grid.png", "params.yaml"):
         (out / name).write_bytes(f"an earlier {name}".encode())
     earlier, complete = {f.name: f.read_bytes() for f in out.iterdir()}, comparable(root / "straight")
-    killed = kill_sampling(root, out, nproc, kills, full_seconds, rng, earlier, complete)
+    killed = kill_sampling(root, out, nproc, kills, full_seconds, rng, earlier, complete, kill)
     subprocess.run(sample_command(root, out, nproc), env=env(), check=True, capture_output=True)
     return {**killed, "nproc": nproc, "uninterrupted_seconds": round(full_seconds, 1),
             "final": output_state(out, earlier, complete), "bitwise_identical": comparable(out) == complete,
@@ -256,12 +321,16 @@ if __name__ == "__main__":
     ap.add_argument("--stage", choices=("train", "sample"), default="train")
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--kill", choices=sorted(KILLS), default="tree",
+                    help="tree: the launcher and all under it at once; group: its process group only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    res = (main if args.stage == "train" else sample_main)(args.kills, args.nproc, args.seed)
+    load = os.getloadavg()
+    res = (main if args.stage == "train" else sample_main)(args.kills, args.nproc, args.seed, kill=args.kill)
+    res["load_average_before_and_after"] = [round(load[0], 2), round(os.getloadavg()[0], 2)]
     print(json.dumps(res, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2) + "\n")
-    sys.exit(0 if res["bitwise_identical"] else 1)
+    sys.exit(0 if res["bitwise_identical"] and not res["survivors"] else 1)

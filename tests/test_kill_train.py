@@ -34,3 +34,39 @@ def test_random_kills_of_sampling_never_leave_a_partial_output(tmp_path, kill_tr
     # after each kill: the earlier output or the complete new one, never a partial one (output_state raises)
     assert set(result["output_after_each_launch"]) <= {"earlier", "complete", "absent"}
     assert result["final"] == "complete" and result["bitwise_identical"] is True
+
+
+@pytest.mark.slow
+def test_a_process_group_kill_of_two_process_sampling_leaves_no_worker(tmp_path, kill_train):
+    # `setsid ddpmrepro sample` with 2 processes, killed with `kill -9 -- -PGID` as soon as its workers
+    # exist: the group holds the launcher and torchrun only (the workers have sessions of their own),
+    # so the workers must die of their parent's death, even one that had not yet asked for it.
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+    import yaml
+
+    root, data = kill_train._workdir_with_data(tmp_path, "")
+    raw = {k: dict(v) for k, v in kill_train.PARAMS.items()}
+    raw["train"].update(steps=3)
+    raw["sample"] = {**kill_train.SAMPLE, "nproc": 2}
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    kill_train.train_in_process(raw, data, root / "trained")
+    proc = subprocess.Popen(kill_train.sample_command(root, root / "samples", 2), env=kill_train.env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 120
+    while len(workers := [p for p in psutil.Process(proc.pid).children(recursive=True)
+                          if "ddpmrepro.cli" in p.cmdline() and p.ppid() != proc.pid]) < 2:
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.01)
+    processes = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    alive = kill_train.still_running(processes, timeout=5)
+    for p in alive:
+        p.kill()
+    assert not alive, [p.cmdline()[:4] for p in alive]
+    assert not (root / "samples").exists()
