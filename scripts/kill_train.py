@@ -129,16 +129,21 @@ def kill_group(proc: subprocess.Popen) -> int:
 KILLS = {"tree": kill_tree, "group": kill_group}
 
 
-def lock_free(run: Path) -> bool:
-    """No process holds the run lock of any run directory (checked right after a kill)."""
+def lock_free(run: Path, timeout: float = 5.0) -> bool:
+    """No process holds the run lock of any run directory within `timeout` s of a kill (a killed
+    process releases its files as its last thread exits, a moment after it looks dead)."""
     from ddpmrepro.checkpoint import CheckpointError, RunLock
 
+    deadline = time.monotonic() + timeout
     for d in (run / "ckpt").glob("*/*"):
-        try:
-            with RunLock(d):
-                pass
-        except CheckpointError:
-            return False
+        while True:
+            try:
+                with RunLock(d):
+                    break
+            except CheckpointError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
     return True
 
 
@@ -175,7 +180,7 @@ def run_with_kills(run: Path, data: Path, params: Path, nproc: int, targets: lis
         if (run / "model" / "model.safetensors").exists():
             break
     return {"kills": kills, "launches": launches, "last_checkpoint_at_each_kill": at_kill, "kill": kill,
-            "survivors": survivors, "lock_held_after_kill": locked,
+            "survivors": survivors, "lock_held_5s_after_kill": locked,
             "temp_files_left": sorted(f.name for f in run.glob("ckpt/*/*/.*.tmp.*"))}
 
 
