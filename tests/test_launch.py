@@ -105,3 +105,23 @@ def test_node_list_from_scontrol_when_the_job_step_dropped_it(tmp_path):
     assert launch.slurm_allocation({}, scontrol=str(scontrol)) == {}
     assert launch.slurm_allocation({"SLURM_JOB_ID": "4242"}, scontrol=str(tmp_path / "missing")) == {}
     assert launch.slurm_allocation({"SLURM_JOB_ID": "1"}, scontrol=str(scontrol)) == {}  # scontrol printed nothing
+
+
+def test_the_agent_reads_the_workers_reports_of_the_last_attempt_earliest_first(tmp_path, monkeypatch):
+    from ddpmrepro import torchrun
+
+    assert torchrun.report_error("not handed over", 1) is False  # no agent: the worker prints it itself
+    monkeypatch.setenv(torchrun.ERROR_DIR, str(tmp_path))
+
+    def report(rank: int, attempt: int, message: str | None, code: int = 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+        assert torchrun.report_error(message, code)
+    # Attempt 0: rank 0 failed first, rank 1 followed; torchrun restarted the group (--max-restarts).
+    report(0, 0, "an error of the first attempt")
+    report(1, 0, "its peer's consequence")
+    # Attempt 1: rank 1 crashed (no message: it printed its traceback); rank 0 was killed, reporting nothing.
+    report(1, 1, None)
+    reports = torchrun.reported_errors(tmp_path)
+    assert [(r["rank"], r["message"]) for r in reports] == [(1, None)]
+    assert not list(tmp_path.glob(".*tmp"))  # written through temp files, renamed into place

@@ -587,11 +587,12 @@ BY_NPROC = {1: {}, 2: {"nproc": 2, "batch_per_proc": 8}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc, to", [(1, "group"), (2, "group"), (2, "every process")])
 def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes_to_the_same_bits(tmp_path, prepared, straight_runs,
-                                                                                  nproc):
-    # SIGTERM (preemption, `kill -- -PGID`) of the process group, and a first Ctrl-C, share one handler;
-    # the next test presses Ctrl-C.
+                                                                                  nproc, to):
+    # SIGTERM of the process group (`kill -- -PGID`), or of every process as SLURM does before a
+    # preemption (torchrun then gets it twice: from SLURM and relayed by the launcher), and a first
+    # Ctrl-C share one handler; the next test presses Ctrl-C.
     import re
     import signal
 
@@ -599,7 +600,11 @@ def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes_to_the_same_bits
     params = write_params(tmp_path / "p.yaml", train={"checkpoint_every": 100, **BY_NPROC[nproc]})
     run = tmp_path / "run"
     proc = start_and_wait_for(run, prepared, params, "step 2/8", nproc)
-    os.killpg(proc.pid, signal.SIGTERM)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        for p in family(proc):
+            p.send_signal(signal.SIGTERM)
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 130, err
     assert "SIGTERM received: saving a checkpoint at the end of this step" in err

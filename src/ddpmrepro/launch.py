@@ -153,11 +153,11 @@ def run_launcher(cmd: list[str], *, srun: bool = False) -> int:
       torchrun by SIGKILL, and its workers with it; srun by SIGTERM, which ends its job step in order.
     - It inherits our GPU-slot locks (flock belongs to the open file): the GPUs stay claimed until
       the last process that could use them is gone.
-    - Stop signals reach it once, from us. torchrun runs in a session of its own (as its workers
-      do), so a SIGINT/SIGTERM of our process group (Ctrl-C, `kill -- -PGID`, a scheduler) or of this
-      process alone is relayed to it exactly once, and its workers save a checkpoint and exit (130).
-      A second Ctrl-C is relayed too and ends everything at once ("Aborted!"). srun stays in our
-      process group: Ctrl-C reaches it from the terminal, so only SIGTERM/SIGHUP are relayed.
+    - Stop signals reach it through us. torchrun runs in a session of its own (as its workers do),
+      so each SIGINT/SIGTERM of our process group (Ctrl-C, `kill -- -PGID`) or of this process
+      alone is relayed to it once, and its workers save a checkpoint and exit (130). A second Ctrl-C
+      is relayed too and ends everything at once ("Aborted!"). srun stays in our process group:
+      Ctrl-C reaches it from the terminal, so only SIGTERM/SIGHUP are relayed.
     """
     from .gpu_slots import held_fds
     from .torchrun import parent_death_signal

@@ -12,10 +12,9 @@ or dies:
   single-process run would, and exits with the worker's exit code. Its own log (warnings, the
   ChildFailedError report) goes to a file that is named when a worker crashed and removed when
   all went well; the workers' output still goes to the terminal.
-- **A repeated SIGTERM does not cut the orderly shutdown short.** A scheduler may signal every
-  process while the launcher relays the same signal; torchrun would treat the second one as an
-  abort. A second SIGINT (Ctrl-C twice) still leaves at once: this process exits and the kernel
-  kills the workers (their checkpoints are atomic). After a stop signal it exits with 130.
+- **Ctrl-C twice leaves at once**, as with one process: this process exits and the kernel kills
+  the workers (their checkpoints are atomic); torchrun alone would wait for them again. After a
+  stop signal it exits with 130, without torchrun's SignalException traceback.
 """
 from __future__ import annotations
 
@@ -73,7 +72,8 @@ def report_error(message: str | None, exit_code: int) -> bool:
     if not directory:
         return False
     rank = os.environ.get("RANK", "0")
-    record = {"time": time.time(), "rank": int(rank), "exit_code": exit_code, "message": message}
+    record = {"time": time.time(), "rank": int(rank), "exit_code": exit_code, "message": message,
+              "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
     try:
         tmp = Path(directory) / f".rank{rank}.json.tmp"
         tmp.write_text(json.dumps(record))
@@ -84,7 +84,8 @@ def report_error(message: str | None, exit_code: int) -> bool:
 
 
 def reported_errors(directory: Path) -> list[dict]:
-    """What the workers reported, earliest first: the first is the root cause, the others followed
+    """What the workers of the last attempt (torchrun restarts the group after a failure, up to
+    --max-restarts times) reported, earliest first: the first is the root cause, the others followed
     from it (a peer's "connection closed by peer", say)."""
     records = []
     for f in Path(directory).glob("rank*.json"):
@@ -92,25 +93,26 @@ def reported_errors(directory: Path) -> list[dict]:
             records.append(json.loads(f.read_text()))
         except (OSError, ValueError):
             continue
-    return sorted(records, key=lambda r: (r["time"], r["rank"]))
+    last = max((r["attempt"] for r in records), default=0)
+    return sorted((r for r in records if r["attempt"] == last), key=lambda r: (r["time"], r["rank"]))
 
 
 # --- the agent -------------------------------------------------------------------------------------
 
 
-def _stop_signals_once() -> None:
-    """The first SIGINT/SIGTERM/SIGHUP starts torchrun's orderly shutdown (the workers get the
-    signal and save a checkpoint); later SIGTERM/SIGHUP are ignored; a later SIGINT exits at once."""
+def _second_ctrl_c_exits_at_once() -> None:
+    """torchrun meets a stop signal by signalling its workers (they save a checkpoint and exit) and
+    waiting for them, and a second one by doing that again. A second SIGINT (Ctrl-C twice) should
+    leave at once, as one process does: this process exits and the kernel kills the workers."""
     from torch.distributed.elastic.multiprocessing import api
 
-    torch_handler, first = api._terminate_process_handler, []
+    torch_handler, interrupted = api._terminate_process_handler, []
 
     def handler(signum, frame):
-        if not first:
-            first.append(signum)
-            torch_handler(signum, frame)  # raises SignalException: torchrun stops its workers with signum
-        elif signum == signal.SIGINT:
-            os._exit(130)  # the workers die with us (die_with_agent)
+        if signum == signal.SIGINT and interrupted:
+            os._exit(130)  # the workers die with us (die_with_agent); their checkpoints are atomic
+        interrupted.extend([signum] if signum == signal.SIGINT else [])
+        torch_handler(signum, frame)  # raises SignalException: torchrun stops its workers with signum
     # torchrun installs its handler when it starts the workers (every restart): make that one ours.
     api._terminate_process_handler = handler
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -137,7 +139,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    _stop_signals_once()
+    _second_ctrl_c_exits_at_once()
     keep_log, code = False, 0
     try:
         run.main(argv)
