@@ -358,6 +358,15 @@ def test_deleting_a_refused_checkpoint_resumes_from_the_one_before_to_the_same_w
 
 
 @pytest.mark.slow
+def test_an_ema_rate_that_was_not_trained_is_a_params_error(run):
+    (run / "params.yaml").write_text(yaml.safe_dump({**TINY, "sample": {"ema_rate": 0.5}}))
+    before = snapshot(run)
+    assert_one_line_error(cli("sample", "--params", "params.yaml", *STAGE_ARGS["sample"]), 2,
+                          "Error: sample.ema_rate=0.5 was not trained; available: 0.9 (or 0 for raw weights)")
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
 def test_a_second_process_training_into_the_same_run_is_refused(run):
     (ckpt_dir,) = (run / "ckpt").glob("*/*")
     before = snapshot(run)

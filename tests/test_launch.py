@@ -1,4 +1,5 @@
 """The torchrun / srun command lines built for each launch case."""
+import os
 import sys
 
 import pytest
@@ -125,3 +126,21 @@ def test_the_agent_reads_the_workers_reports_of_the_last_attempt_earliest_first(
     reports = torchrun.reported_errors(tmp_path)
     assert [(r["rank"], r["message"]) for r in reports] == [(1, None)]
     assert not list(tmp_path.glob(".*tmp"))  # written through temp files, renamed into place
+
+
+def test_a_killed_agents_work_directory_is_removed_by_the_next_agent(tmp_path, monkeypatch):
+    import subprocess
+    import tempfile
+
+    from ddpmrepro import torchrun
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f"ddpmrepro-torchrun-{int(dead.stdout)}-a1"  # SIGKILLed: its errors/ is still there
+    kept = tmp_path / f"ddpmrepro-torchrun-{int(dead.stdout)}-b2"  # ended and kept its log for the user
+    running = tmp_path / f"ddpmrepro-torchrun-{os.getpid()}-c3"
+    for d in (killed / "errors", kept, running / "errors"):
+        d.mkdir(parents=True)
+    (kept / "torchrun.log").write_text("the log an Error line named")
+    torchrun._remove_work_dirs_of_killed_agents()
+    assert not killed.exists() and kept.exists() and running.exists()

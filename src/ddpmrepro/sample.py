@@ -20,7 +20,7 @@ from . import distributed as D
 from .data import to_uint8
 from .diffusion import from_params as diffusion_from_params
 from .diffusion import guided_model_fn
-from .params import Params, SampleParams, from_dict
+from .params import Params, ParamsError, SampleParams, from_dict
 from .unet import build_unet
 
 
@@ -32,8 +32,8 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu"):
     config = json.loads(config_path.read_text())
     trained = from_dict(config["params"])
     if ema_rate and ema_rate not in [float(r) for r in config["ema_rates"]]:
-        raise ckpt.CheckpointError(f"sample.ema_rate={ema_rate:g} was not trained; available: "
-                                   f"{', '.join(f'{float(r):g}' for r in config['ema_rates'])} (or 0 for raw weights)")
+        raise ParamsError(f"sample.ema_rate={ema_rate:g} was not trained; available: "
+                          f"{', '.join(f'{float(r):g}' for r in config['ema_rates'])} (or 0 for raw weights)")
     name = ckpt.ema_filename(ema_rate) if ema_rate else "model.safetensors"
     data = config["data"]
     model = build_unet(trained.model, image_size=data["image_size"], in_channels=data["channels"],

@@ -100,7 +100,7 @@ def reported_errors(directory: Path) -> list[dict]:
 # --- the agent -------------------------------------------------------------------------------------
 
 
-def _second_ctrl_c_exits_at_once() -> None:
+def _second_ctrl_c_exits_at_once(work: Path) -> None:
     """torchrun meets a stop signal by signalling its workers (they save a checkpoint and exit) and
     waiting for them, and a second one by doing that again. A second SIGINT (Ctrl-C twice) should
     leave at once, as one process does: this process exits and the kernel kills the workers."""
@@ -110,6 +110,7 @@ def _second_ctrl_c_exits_at_once() -> None:
 
     def handler(signum, frame):
         if signum == signal.SIGINT and interrupted:
+            _clean(work, keep_log=False)
             os._exit(130)  # the workers die with us (die_with_agent); their checkpoints are atomic
         interrupted.extend([signum] if signum == signal.SIGINT else [])
         torch_handler(signum, frame)  # raises SignalException: torchrun stops its workers with signum
@@ -126,7 +127,8 @@ def _exit_code(exitcode: int) -> int:
 
 def main(argv: list[str]) -> int:
     terminal = sys.stderr
-    work = Path(tempfile.mkdtemp(prefix="ddpmrepro-torchrun-"))
+    _remove_work_dirs_of_killed_agents()
+    work = Path(tempfile.mkdtemp(prefix=f"ddpmrepro-torchrun-{os.getpid()}-"))
     log_path = work / "torchrun.log"
     # torchrun's own output goes to the log; the workers inherit file descriptor 2, the terminal.
     sys.stderr = open(log_path, "a", buffering=1)  # noqa: SIM115 (open for the life of the process)
@@ -139,7 +141,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    _second_ctrl_c_exits_at_once()
+    _second_ctrl_c_exits_at_once(work)
     keep_log, code = False, 0
     try:
         run.main(argv)
@@ -189,6 +191,22 @@ def _clean(work: Path, keep_log: bool) -> None:
     import shutil
 
     shutil.rmtree(work / "errors" if keep_log else work, ignore_errors=True)
+
+
+def _remove_work_dirs_of_killed_agents() -> None:
+    """An agent that was SIGKILLed could not clean up: its directory still has `errors/` (one that
+    ended and kept its log for the user has not) and its pid, in the name, is gone."""
+    import shutil
+
+    for d in Path(tempfile.gettempdir()).glob("ddpmrepro-torchrun-*-*"):
+        try:
+            pid = int(d.name.split("-")[2])
+            if (d / "errors").is_dir() and d.stat().st_uid == os.getuid():
+                os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, OSError):
+            continue
 
 
 if __name__ == "__main__":
