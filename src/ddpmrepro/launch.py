@@ -175,15 +175,18 @@ def run_launcher(cmd: list[str], *, srun: bool = False) -> int:
     relay = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
     if not srun:
         relay[signal.SIGINT] = signal.SIGINT
-    proc = subprocess.Popen(cmd, env=env, pass_fds=held_fds(), preexec_fn=die_with_launcher, start_new_session=not srun)
-    received = []
+    proc, received = None, []
 
     def forward(signum, frame):
         received.append(signum)
-        if signum in relay and proc.poll() is None:
+        if signum in relay and proc is not None and proc.poll() is None:
             os.kill(proc.pid, relay[signum])
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
+        proc = subprocess.Popen(cmd, env=env, pass_fds=held_fds(), preexec_fn=die_with_launcher,
+                                start_new_session=not srun)
+        if received:  # a signal came while it started
+            forward(received.pop(), None)
         code = proc.wait()
     finally:
         for sig, handler in old.items():

@@ -29,21 +29,21 @@ import time
 from pathlib import Path
 
 AGENT_PID = "DDPMREPRO_TORCHRUN_PID"  # exported to the workers: the parent they must die with
-ERROR_DIR = "DDPMREPRO_ERROR_DIR"  # where workers write their one-line user errors
+ERROR_DIR = "DDPMREPRO_ERROR_DIR"  # where workers report their one-line user errors, and crashes
 _PR_SET_PDEATHSIG = 1
 # Loaded at import, in the parent: a forked child about to exec only calls it.
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def parent_death_signal(sig: int, parent: int | None) -> bool:
-    """Asks the kernel to send `sig` to this process when its parent dies. False (and nothing
-    asked) when the parent is already gone: not `parent`, or reparented to init when unknown.
+    """Asks the kernel to send `sig` to this process when its parent dies. False when the parent
+    is already gone (the signal will never come): it is not `parent`, or (parent unknown) it is init.
 
     Call it in the child, from the thread that will outlive the start: the signal follows the
     death of the parent *thread* that forked us (torchrun and the launcher fork from their main thread).
     """
     if _LIBC is None:
-        return True  # no prctl: the process-group kill of the README is Linux-only
+        return True  # no prctl outside Linux: there, workers can outlive a process-group kill
     if _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     # The parent may have died between our fork and the prctl: then nothing will ever signal us.
