@@ -39,6 +39,7 @@ def main() -> None:
         prepare(P.DataParams(), data)
         loops = {"eager": PlainLoop(cfg, p, data, "plain", total), "channels_last": PlainLoop(cfg, p, data, "plain", total)}
         loops["channels_last"].model.to(memory_format=torch.channels_last)
+        loops["channels_last"].resolve_params()
         if a.compile:
             loops["compile"] = PlainLoop(cfg, p, data, "plain", total)
             loops["compile"].model = torch.compile(loops["compile"].model)

@@ -137,7 +137,7 @@ class PlainLoop:
         self.diffusers = model == "diffusers"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
                                      **({"fused": True} if self.device.type == "cuda" else {"foreach": True}))
-        self.ema = [q.detach().clone() for q in self.model.parameters()]
+        self.resolve_params()
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(a.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=a.precision == "fp16")
         self.n = 0
@@ -150,6 +150,14 @@ class PlainLoop:
             f = torch.cos((s + 0.008) / 1.008 * math.pi / 2) ** 2
             betas = (1 - f[1:] / f[:-1]).clamp(max=0.999)
             self.alpha_bar = torch.cumprod(1 - betas, 0).float().to(self.device)
+
+    def resolve_params(self) -> None:
+        """A careful hand-written loop walks the parameters once, not per step (a walk of the tiny
+        UNet's 183 tensors costs ~0.35 ms; ddpmrepro's EMA resolves its tensors once too). Call
+        again after changing the model's storage (`.to(memory_format=...)`)."""
+        self.params = list(self.model.parameters())
+        self.live = [q.detach() for q in self.params]
+        self.ema = [q.clone() for q in self.live]
 
     def step(self) -> None:
         B = self.a.batch
@@ -172,11 +180,11 @@ class PlainLoop:
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.opt)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.p.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.params, self.p.grad_clip)
         self.scaler.step(self.opt)
         self.scaler.update()
         with torch.no_grad():
-            torch._foreach_lerp_(self.ema, [q.detach() for q in self.model.parameters()], 1 - self.p.ema_rates[0])
+            torch._foreach_lerp_(self.ema, self.live, 1 - self.p.ema_rates[0])
         self.n += 1
 
     def run(self, steps: int) -> None:
