@@ -2,7 +2,8 @@
 
 This VM's speed drifts by 10-20% over minutes and other jobs come and go, so comparing per-
 contender medians of long blocks run in a fixed order measures the machine, not the code
-(docs/INTROSPECTION.md found an activation-statistics "overhead" of +25% that way; paired, +7%).
+(introspect_overhead.py once found an activation-statistics "overhead" of +25% that way; paired,
++7%: docs/BENCHMARKS.md).
 So: every contender is built once and warmed up, then each round runs one short block of every
 contender in a fresh random order, and a ratio is the per-round ratio against the reference
 contender *of the same round*, summarised by its median, min-max and interquartile range over
