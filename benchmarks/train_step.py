@@ -63,6 +63,8 @@ class DdpmreproLoop:
     block continues the same run: no rebuild or re-warm per block. The pause point is train.py's
     per-step `_agree` call (after the EMA update): the log and checkpoint code of a block's last
     step run at the start of the next block, so every measured block holds exactly one log line.
+    train() keeps its signal handling: the first Ctrl-C asks it to stop at the end of a step (of
+    whichever run is going), the second leaves at once.
     """
 
     _current: dict = {}  # greenlet -> loop, for the step hook

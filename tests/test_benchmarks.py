@@ -210,3 +210,28 @@ def test_paused_training_run_is_the_uninterrupted_run(tmp_path):
     T.train(params, straight, restart=True)
     a, b = (load_file(p.model_dir / "model.safetensors") for p in (paused, straight))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_profile_shares_charge_samples_to_the_loop_statement(tmp_path):
+    """profile_step.py reads py-spy's collapsed stacks: each sample goes to the loop line it was under."""
+    import profile_step
+
+    source = tmp_path / "loop.py"
+    source.write_text("def train():\n    forward()\n    backward()\n")
+    raw = tmp_path / "raw.txt"
+    raw.write_text("main (run.py:9);train (pkg/loop.py:2);forward (m.py:5);conv (m.py:7) 30\n"
+                   "main (run.py:9);train (pkg/loop.py:3);backward (m.py:9) 60\n"
+                   "main (run.py:9);train (pkg/loop.py:2) 10\n"
+                   "main (run.py:9);import_stuff (x.py:1) 100\n")
+    shares = profile_step.statement_shares(raw, "train (pkg/loop.py:", source)
+    assert shares == {"(outside the loop)": 0.5, "loop.py:3  backward()": 0.3, "loop.py:2  forward()": 0.2}
+
+
+@pytest.mark.slow
+def test_serial_pieces_script_times_every_piece():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "DVC_NO_ANALYTICS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serial_pieces.py"), "--calls", "0.01"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if " ms  " in ln]
+    assert len(lines) == 8 and all(float(ln.split()[0]) > 0 for ln in lines)
