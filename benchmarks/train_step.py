@@ -93,27 +93,24 @@ class DdpmreproLoop:
         """Runs the next `steps` steps of the training run and pauses."""
         if self._glet.dead:
             raise RuntimeError("the training run has already finished")
-        self.steps_left = steps
-        original = ddpm_train._agree
-        ddpm_train._agree = self._hook(original)
-        try:
-            self._glet.switch()
-        finally:
-            ddpm_train._agree = original
+        self._resume(steps)
 
     def finish(self) -> dict:
         """Runs the remaining steps (none, if the run was sized to the blocks) and the export."""
-        self.steps_left = -1
-        original = ddpm_train._agree
-        ddpm_train._agree = self._hook(original)
-        try:
-            self.summary = self._glet.switch()
-        finally:
-            ddpm_train._agree = original
-            self._current.pop(self._glet, None)
+        self.summary = self._resume(-1)  # -1: never pauses again
+        self._current.pop(self._glet, None)
         if not self._glet.dead:
             raise RuntimeError("the training run did not finish")
         return self.summary
+
+    def _resume(self, steps: int):
+        self.steps_left = steps
+        original = ddpm_train._agree
+        ddpm_train._agree = self._hook(original)  # only while this run runs
+        try:
+            return self._glet.switch()
+        finally:
+            ddpm_train._agree = original
 
 
 def train_paths(tmp: Path, data_dir: Path):
