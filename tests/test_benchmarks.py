@@ -118,11 +118,17 @@ def test_paired_rounds_rejects_an_unknown_reference():
 
 # --- the scripts, end to end, at the smallest settings ----------------------------------------
 
-def run(script: str, *args: str) -> None:
+def run(script: str, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def table_rows(results: Path) -> list[str]:
+    """benchmarks/tables.py's markdown rows for a results file (what the doc quotes)."""
+    return [ln for ln in run("tables.py", str(results)).splitlines() if ln.startswith("| ") and "---" not in ln][1:]
 
 
 def check_paired(t: dict, names: set, rounds: int, reference: str, threads: int) -> None:
@@ -155,6 +161,8 @@ def test_train_step_benchmark_pairs_ddpmrepro_with_the_plain_loop(tmp_path):
     assert r["step_time_ratio_vs_plain"]["ddpmrepro"] == r["timing"]["ratio_wall"]["ddpmrepro"]
     assert set(r["target"]["verdict"]) == {"ddpmrepro", "ddpmrepro+is"}
     assert "--threads 1" in r["command"] and "--rounds 6" in r["command"]
+    rows = table_rows(out)
+    assert len(rows) == 3 and f"{r['timing']['ratio_wall']['ddpmrepro']['median']:.3f} [" in rows[0]
 
 
 @pytest.mark.slow
@@ -167,6 +175,8 @@ def test_sample_speed_benchmark_pairs_generate_with_bare_forwards(tmp_path):
     check_paired(s["timing"], {"ddpmrepro", "bare"}, 3, "bare", threads=r["threads"])
     assert s["overhead_pct"] == pytest.approx(100 * (s["time_ratio_vs_bare"]["median"] - 1))
     assert s["verdict"].startswith("unresolved (too few")  # 3 rounds cannot give a 95% interval
+    (row,) = table_rows(out)
+    assert f"{s['time_ratio_vs_bare']['median']:.3f} (" in row and row.endswith("| not resolved |")
 
 
 @pytest.mark.slow
@@ -180,6 +190,8 @@ def test_growth_benchmark_times_each_row_against_the_first(tmp_path):
     assert first["step_time_ratio_vs_first"]["median"] == 1.0 and first["flop_ratio_vs_first"] == 1.0
     assert second["flop_ratio_vs_first"] == pytest.approx(4, rel=0.1)  # 4x the pixels, convolutions dominate
     assert second["images_per_sec"] == pytest.approx(4 / (r["timing"]["wall_s"]["tiny@16px"]["median"]))
+    rows = table_rows(out)
+    assert len(rows) == 2 and "| tiny | 16 px |" in rows[1]
 
 
 @pytest.mark.slow
