@@ -96,7 +96,7 @@ def paired_rounds(blocks: dict[str, Callable[[], object]], reference: str, round
         raise ValueError(f"reference {reference!r} is not one of {sorted(blocks)}")
     if rounds < 1:
         raise ValueError("need at least one round")
-    for name, block in blocks.items():
+    for block in blocks.values():
         for _ in range(warmup):
             block()
     before = machine_state()
