@@ -12,6 +12,7 @@ time (`time.thread_time`, steadier than wall time on a shared machine): median o
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 import time
@@ -20,6 +21,7 @@ import torch
 
 from ddpmrepro import params as P
 from ddpmrepro.diffusion import from_params
+from ddpmrepro.introspect import ActivationGradRecorder
 from ddpmrepro.timestep_sampler import create_sampler
 from ddpmrepro.train import example_draws, step_seed
 from ddpmrepro.unet import build_unet
@@ -90,6 +92,27 @@ def _fresh_generator_draws(batch: int):
     return u, noise
 
 
+def hooks_ms(pairs: int) -> float:
+    """What the introspection hooks cost a step while not recording (they stay attached in train()):
+    forward + backward at batch 1, where the hooks' Python work is not lost in the kernels, on two
+    copies of the model, one with the recorder attached; calls alternate between the two and the
+    result is the median of the per-pair differences."""
+    torch.manual_seed(0)
+    bare = build_unet(P.ModelParams(preset="tiny"), image_size=8, in_channels=1, num_classes=10, learn_sigma=False)
+    hooked = copy.deepcopy(bare)
+    x, t, y = torch.randn(1, 1, 8, 8), torch.tensor([500]), torch.tensor([3])
+
+    def step_ms(model) -> float:
+        c0 = time.thread_time()
+        model(x, t, y).square().mean().backward()
+        return 1e3 * (time.thread_time() - c0)
+
+    with ActivationGradRecorder(hooked, P.IntrospectParams().modules):
+        for model in (bare, hooked, bare, hooked):
+            step_ms(model)
+        return statistics.median(step_ms(hooked) - step_ms(bare) for _ in range(pairs))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=128)
@@ -98,6 +121,8 @@ def main() -> None:
     torch.set_num_threads(1)
     for name, (fn, calls) in pieces(a.batch).items():
         print(f"{cpu_ms(fn, max(1, int(calls * a.calls))):8.3f} ms  {name}", flush=True)
+    print(f"{hooks_ms(max(1, int(400 * a.calls))):8.3f} ms  introspection hooks attached, not recording "
+          "(forward + backward, with - without)", flush=True)
 
 
 if __name__ == "__main__":

@@ -246,4 +246,4 @@ def test_serial_pieces_script_times_every_piece():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if " ms  " in ln]
-    assert len(lines) == 8 and all(float(ln.split()[0]) > 0 for ln in lines)
+    assert len(lines) == 9 and all(float(ln.split()[0]) > 0 for ln in lines[:8])  # the 9th is a difference
