@@ -43,7 +43,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=250, help="images per batch (sample.batch_size)")
     ap.add_argument("--guidance", type=float, default=0.5)
     ap.add_argument("--ddpm-images", type=int, default=10, help="images per DDPM-1000 block (it is 20x longer)")
-    ap.add_argument("--rounds", type=int, default=20, help="rounds of one block per contender, in random order")
+    ap.add_argument("--rounds", type=int, default=12, help="DDIM-50: rounds of one block per contender, random order")
+    ap.add_argument("--ddpm-rounds", type=int, default=8, help="DDPM-1000: the same (its blocks are the long ones)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed blocks per contender before the rounds")
     ap.add_argument("--seed", type=int, default=0, help="seed of the round orders")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.quick:
-        a.batch, a.ddpm_images, a.rounds = 50, 4, 8
+        a.batch, a.ddpm_images, a.rounds, a.ddpm_rounds = 50, 4, 8, 6
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -82,11 +83,13 @@ def main() -> None:
         def ours():
             generate(model, diffusion, labels, seeds, p, a.classes, shape, device)
 
-        def progress(r, times, n=n, name=name):
-            print(f"{name} round {r + 1}/{a.rounds}: " + ", ".join(f"{m} {n / w:.1f} img/s" for m, (w, _) in times.items()),
+        rounds = a.rounds if sampler == "ddim" else a.ddpm_rounds
+
+        def progress(r, times, n=n, name=name, rounds=rounds):
+            print(f"{name} round {r + 1}/{rounds}: " + ", ".join(f"{m} {n / w:.1f} img/s" for m, (w, _) in times.items()),
                   flush=True)
 
-        timing = paired_rounds({"ddpmrepro": ours, "bare": bare}, "bare", a.rounds, warmup=a.warmup, seed=a.seed,
+        timing = paired_rounds({"ddpmrepro": ours, "bare": bare}, "bare", rounds, warmup=a.warmup, seed=a.seed,
                                sync=sync, progress=progress)
         ratio = timing["ratio_wall"]["ddpmrepro"]
         results[name] = {"images": n, "steps": steps, "forward_batch": doubled,
