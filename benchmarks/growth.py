@@ -75,7 +75,11 @@ def main() -> None:
                 cfg = SimpleNamespace(image_size=size, channels=a.channels, preset=preset, batch=a.batch,
                                       steps=a.steps, device=a.device, precision=a.precision)
                 loops[name] = DdpmreproLoop(bench_params(cfg, "uniform", total), train_paths(tmp, data_dir))
-        reference = next(iter(rows))
+        # Rows by preset, then size (data is prepared per size, so they were built the other way).
+        presets = a.presets.split(",")
+        order = sorted(rows, key=lambda n: (presets.index(rows[n]["preset"]), rows[n]["image_size"]))
+        rows, loops = {n: rows[n] for n in order}, {n: loops[n] for n in order}
+        reference = order[0]
 
         def progress(r, times):
             print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{m} {1e3 * w / a.steps:.0f} ms/step"
