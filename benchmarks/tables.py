@@ -22,7 +22,8 @@ def ratio_cell(s: dict) -> str:
 
 
 def load_cell(t: dict) -> str:
-    return f"{t['before']['load_avg'][0]:.1f} → {t['after']['load_avg'][0]:.1f}"
+    return (f"{t['before']['load_avg'][0]:.1f} → {t['after']['load_avg'][0]:.1f} "
+            f"(max {max(t['load1_per_round']):.1f})")
 
 
 def verdict_cell(v: str) -> str:
@@ -30,7 +31,7 @@ def verdict_cell(v: str) -> str:
 
 
 def train_step(results: list[dict]) -> list[str]:
-    rows = ["| threads | load (1-min avg, before → after) | contender | images/s | step time / plain, wall | CPU | target ≤ 1.05 |",
+    rows = ["| threads | load (1-min avg: before → after, max over rounds) | contender | images/s | step time / plain, wall | CPU | target ≤ 1.05 |",
             "|---|---|---|---|---|---|---|"]
     for r in results:
         t = r["timing"]
@@ -43,7 +44,7 @@ def train_step(results: list[dict]) -> list[str]:
 
 
 def sample_speed(results: list[dict]) -> list[str]:
-    rows = ["| threads | load (1-min avg, before → after) | sampler | images per block | ddpmrepro img/s | bare UNet img/s "
+    rows = ["| threads | load (1-min avg: before → after, max over rounds) | sampler | images per block | ddpmrepro img/s | bare UNet img/s "
             "| time / bare, wall | CPU | target ≤ 1.05 |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for name, s in r["samplers"].items():
@@ -56,7 +57,7 @@ def sample_speed(results: list[dict]) -> list[str]:
 
 
 def growth(results: list[dict]) -> list[str]:
-    rows = ["| threads | load (1-min avg, before → after) | preset | image | parameters | GFLOP / image (train) | images/s "
+    rows = ["| threads | load (1-min avg: before → after, max over rounds) | preset | image | parameters | GFLOP / image (train) | images/s "
             "| s / step | achieved GFLOP/s | FLOPs / first row | step time / first row |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
