@@ -1,16 +1,15 @@
 """Would `channels_last` or `torch.compile` pay? The hand-written loop of train_step.py on the same
-UNet and batch, eager against each variant, interleaved blocks, medians.
+UNet and batch, eager against each variant, in benchmarks/timing.py's paired rounds.
 
     PYTHONPATH=src python benchmarks/compile_channels_last.py              # channels_last only
     PYTHONPATH=src python benchmarks/compile_channels_last.py --compile    # + torch.compile (minutes to compile on CPU)
 
-Prints images/s; results are written down in docs/BENCHMARKS.md.
+Prints images/s and step time / eager per round (median and spread); results are written down in
+docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import tempfile
 import time
 import types
@@ -18,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import PlainLoop  # noqa: E402
-
-from ddpmrepro import params as P  # noqa: E402
-from ddpmrepro.data import prepare  # noqa: E402
+from ddpmrepro import params as P
+from ddpmrepro.data import prepare
+from timing import fmt_ratio, paired_rounds  # benchmarks/ (the script's directory) is on sys.path
+from train_step import PlainLoop, cuda_sync
 
 
 def main() -> None:
@@ -30,31 +28,31 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=5, help="training steps per block")
     a = ap.parse_args()
     cfg = types.SimpleNamespace(device=a.device, preset="tiny", image_size=8, channels=1, batch=a.batch,
                                 precision="fp32")
+    p, total = P.TrainParams(), (a.rounds + 2) * a.steps + 3
     with tempfile.TemporaryDirectory() as d:
         data = Path(d) / "prepared"
         prepare(P.DataParams(), data)
-        loops = {"eager": PlainLoop(cfg, data, "plain"), "channels_last": PlainLoop(cfg, data, "plain")}
+        loops = {"eager": PlainLoop(cfg, p, data, "plain", total), "channels_last": PlainLoop(cfg, p, data, "plain", total)}
         loops["channels_last"].model.to(memory_format=torch.channels_last)
+        loops["channels_last"].resolve_params()
         if a.compile:
-            loops["compile"] = PlainLoop(cfg, data, "plain")
+            loops["compile"] = PlainLoop(cfg, p, data, "plain", total)
             loops["compile"].model = torch.compile(loops["compile"].model)
             t0 = time.perf_counter()
-            loops["compile"].images_per_sec(3)
+            loops["compile"].run(3)
             print(f"compile: first steps took {time.perf_counter() - t0:.0f} s", flush=True)
-        for loop in loops.values():
-            loop.images_per_sec(5)
-        rates: dict[str, list[float]] = {k: [] for k in loops}
-        for _ in range(a.repeats):
-            for name, loop in loops.items():
-                rates[name].append(loop.images_per_sec(a.steps))
-    for name, v in rates.items():
-        print(f"{name:14} {statistics.median(v):7.0f} img/s  blocks {[round(x) for x in v]}")
-
+        timing = paired_rounds({k: (lambda loop=loop: loop.run(a.steps)) for k, loop in loops.items()}, "eager",
+                               a.rounds, warmup=2, sync=cuda_sync(a.device))
+    print(f"{timing['before']['torch_threads']} threads, load {timing['before']['load_avg'][0]:.2f} -> "
+          f"{timing['after']['load_avg'][0]:.2f}")
+    for name in loops:
+        ips = a.steps * a.batch / timing["wall_s"][name]["median"]
+        print(f"{name:14} {ips:7.0f} img/s  step time / eager {fmt_ratio(timing['ratio_wall'][name])}")
 
 if __name__ == "__main__":
     main()

@@ -1,22 +1,23 @@
 """Sampling speed: images/s of DDIM-50 and DDPM-1000, and ddpmrepro's overhead over the bare UNet.
 
-    PYTHONPATH=src python benchmarks/sample_speed.py            # CPU: tiny UNet, 1x8x8, guidance 0.5
+    PYTHONPATH=src python benchmarks/sample_speed.py --threads 1   # CPU: tiny UNet, 1x8x8, guidance 0.5
+    PYTHONPATH=src python benchmarks/sample_speed.py               # torch's default thread count
     PYTHONPATH=src python benchmarks/sample_speed.py --quick
     PYTHONPATH=src python benchmarks/sample_speed.py --device cuda --preset ddpm-cifar10 --image-size 32 --channels 3
 
-For each sampler, two modes run interleaved (one block of each, repeated; medians):
+For each sampler, two contenders on one model (random weights: speed does not depend on them):
   ddpmrepro  `ddpmrepro.sample.generate`: per-image seeded noise, classifier-free guidance (one
              doubled batch), the diffusion update, uint8 conversion: what `ddpmrepro sample` runs
   bare       the same number of UNet forward passes on the same doubled batch, nothing else
-overhead = time(ddpmrepro) / time(bare) - 1 (target <= 5%). The weights are random: speed does not
-depend on them. Writes benchmarks/results/sample_speed[-<tag>].json.
+A block is one whole sampling run of a batch. Timing: benchmarks/timing.py's paired rounds
+(both contenders once per round in random order); overhead = per-round time(ddpmrepro) /
+time(bare) - 1, median and spread over rounds (target <= 5%).
+Writes benchmarks/results/sample_speed[-<device>-<preset>]-threads<N>.json.
 """
 from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -26,21 +27,10 @@ from ddpmrepro.diffusion import from_params
 from ddpmrepro.sample import generate
 from ddpmrepro.unet import PRESETS, build_unet
 from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
+from timing import fmt_ratio, paired_rounds, verdict
 
 SAMPLERS = {"ddim50": ("ddim", "ddim50"), "ddpm1000": ("ddpm", "")}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
+TARGET = 1.05
 
 
 def main() -> None:
@@ -52,18 +42,22 @@ def main() -> None:
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--batch", type=int, default=250, help="images per batch (sample.batch_size)")
     ap.add_argument("--guidance", type=float, default=0.5)
-    ap.add_argument("--ddpm-images", type=int, default=50, help="images per DDPM-1000 block (it is 20x longer)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ddpm-images", type=int, default=10, help="images per DDPM-1000 block (it is 20x longer)")
+    ap.add_argument("--rounds", type=int, default=12, help="DDIM-50: rounds of one block per contender, random order")
+    ap.add_argument("--ddpm-rounds", type=int, default=8, help="DDPM-1000: the same (its blocks are the long ones)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed blocks per contender before the rounds")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the round orders")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--samplers", default=",".join(SAMPLERS), help="which of " + ", ".join(SAMPLERS))
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.quick:
-        a.batch, a.ddpm_images, a.repeats = 100, 20, 3
+        a.batch, a.ddpm_images, a.rounds, a.ddpm_rounds = 50, 4, 8, 6
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     model = build_unet(P.ModelParams(preset=a.preset), image_size=a.image_size, in_channels=a.channels,
                        num_classes=a.classes, learn_sigma=False).to(device).eval()
@@ -89,28 +83,32 @@ def main() -> None:
         def ours():
             generate(model, diffusion, labels, seeds, p, a.classes, shape, device)
 
-        times = {"ddpmrepro": [], "bare": []}
-        ours(), bare()  # warm-up
-        for _ in range(a.repeats):
-            times["ddpmrepro"].append(timed(ours, device))
-            times["bare"].append(timed(bare, device))
-        med = {m: statistics.median(v) for m, v in times.items()}
+        rounds = a.rounds if sampler == "ddim" else a.ddpm_rounds
+
+        def progress(r, times, n=n, name=name, rounds=rounds):
+            print(f"{name} round {r + 1}/{rounds}: " + ", ".join(f"{m} {n / w:.1f} img/s" for m, (w, _) in times.items()),
+                  flush=True)
+
+        timing = paired_rounds({"ddpmrepro": ours, "bare": bare}, "bare", rounds, warmup=a.warmup, seed=a.seed,
+                               sync=sync, progress=progress)
+        ratio = timing["ratio_wall"]["ddpmrepro"]
         results[name] = {"images": n, "steps": steps, "forward_batch": doubled,
-                         "images_per_sec": {m: n / t for m, t in med.items()},
-                         "overhead_pct": 100 * (med["ddpmrepro"] / med["bare"] - 1),
-                         "seconds": times}
-        print(f"{name}: {n} images, {steps} steps, forward batch {doubled}: ddpmrepro {n / med['ddpmrepro']:.1f} img/s, "
-              f"bare UNet {n / med['bare']:.1f} img/s, overhead {results[name]['overhead_pct']:+.1f}%", flush=True)
+                         "images_per_sec": {m: n / s["median"] for m, s in timing["wall_s"].items()},
+                         "time_ratio_vs_bare": ratio, "overhead_pct": 100 * (ratio["median"] - 1),
+                         "verdict": verdict(ratio, TARGET), "timing": timing}
+        print(f"{name}: {n} images, {steps} steps, forward batch {doubled}: time / bare UNet {fmt_ratio(ratio)}, "
+              f"cpu {timing['ratio_cpu']['ddpmrepro']['median']:.3f}; target <= {TARGET}: {results[name]['verdict']}",
+              flush=True)
     result = {
         "command": command_line("sample_speed.py", a, skip=("quick", "out")),
         "preset": a.preset, "image": list(shape), "guidance": a.guidance,
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
-        "params": sum(q.numel() for q in model.parameters()), "repeats": a.repeats, "samplers": results,
-        "target": "overhead over bare UNet forwards <= 5%",
+        "params": sum(q.numel() for q in model.parameters()), "samplers": results,
+        "target": {"what": f"ddpmrepro / bare UNet forwards time <= {TARGET}", "ratio": TARGET},
     }
     tag = "" if (a.device, a.preset) == ("cpu", "tiny") else f"-{a.device}-{a.preset}"
-    out = a.out or Path(f"benchmarks/results/sample_speed{tag}{'-quick' if a.quick else ''}.json")
+    out = a.out or Path(f"benchmarks/results/sample_speed{tag}{'-quick' if a.quick else ''}-threads{result['threads']}.json")
     write_result(result, out)
 
 

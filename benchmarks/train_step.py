@@ -1,73 +1,130 @@
 """Training speed: ddpmrepro's loop against a minimal hand-written PyTorch loop and diffusers.
 
-    PYTHONPATH=src python benchmarks/train_step.py                 # CPU: tiny UNet, digits 8x8, batch 128
-    PYTHONPATH=src python benchmarks/train_step.py --quick         # a minute
+    PYTHONPATH=src python benchmarks/train_step.py --threads 1     # CPU: tiny UNet, digits 8x8, batch 128
+    PYTHONPATH=src python benchmarks/train_step.py                 # the same at torch's default thread count
+    PYTHONPATH=src python benchmarks/train_step.py --quick         # a minute or two
     PYTHONPATH=src python benchmarks/train_step.py --device cuda --preset ddpm-cifar10 --image-size 32 \
         --channels 3 --precision bf16                              # the paper model on a GPU
 
-Three loops train the same UNet on the same prepared data with the same batch:
-  ddpmrepro   `ddpmrepro.train.train()` itself, introspection off, uniform timesteps: everything the
-              pipeline does per step (per-example seeded draws, EMA, loss statistics, logging)
+Contenders, all training the same UNet on the same prepared data with the same batch and the
+same optimizer settings (AdamW with ddpmrepro's lr, weight decay 0, a per-step lr, grad clipping
+at 1.0, one EMA):
+  ddpmrepro     `ddpmrepro.train.train()` itself, introspection off, uniform timesteps: everything the
+                pipeline does per step (per-example seeded draws, EMA, loss statistics, a dvclive log
+                line per block). One run for the whole benchmark, paused after every block.
   ddpmrepro+is  the same with IDDPM's loss-second-moment importance sampler (the default)
-  plain       what one writes by hand: random batch, q_sample, MSE, backward, clip, AdamW, EMA lerp
-  diffusers   diffusers' UNet2DModel configured with the same channels, blocks and attention, trained
-              with DDPMScheduler.add_noise in the same plain loop (needs `pip install -e .[bench]`)
-Modes run interleaved (one block of each, repeated) and are compared by medians of images/s; the
-target is ddpmrepro / plain <= 1.05 in step time. Writes benchmarks/results/train_step[-<tag>].json.
+  plain         what one writes by hand: random batch, q_sample, MSE, backward, clip, AdamW, EMA lerp
+  diffusers     diffusers' UNet2DModel configured with the same channels, blocks and attention, trained
+                with DDPMScheduler.add_noise in the plain loop (needs `pip install -e .[bench]`)
+Timing: benchmarks/timing.py's paired rounds (each round one block of --steps steps of every
+contender in random order; ratios per round against `plain`). Target: ddpmrepro / plain step time
+<= 1.05. Writes benchmarks/results/train_step[-<device>-<preset>-<precision>]-threads<N>.json.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from greenlet import greenlet
 
+import ddpmrepro.train as ddpm_train
 from ddpmrepro import params as P
 from ddpmrepro.data import load_prepared, prepare, to_model_range
 from ddpmrepro.unet import PRESETS, build_unet
 from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
+from timing import fmt_ratio, paired_rounds, verdict
+
+TARGET = 1.05
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def bench_params(a, sampler: str) -> P.Params:
-    """ddpmrepro's params for the benchmark: default training recipe, introspection and checkpoints off."""
-    steps = a.warmup + a.steps
+def bench_params(a, sampler: str, total_steps: int) -> P.Params:
+    """ddpmrepro's params for the benchmark: default training recipe, introspection and checkpoints
+    off, no lr warm-up (the plain loop has none), one dvclive log line per measured block."""
     return P.from_dict({
         "data": {"image_size": a.image_size, "channels": a.channels},
         "model": {"preset": a.preset},
-        "diffusion": {"schedule": "cosine"},
-        "train": {"steps": steps, "batch_per_proc": a.batch, "device": a.device, "precision": a.precision,
+        "train": {"steps": total_steps, "batch_per_proc": a.batch, "device": a.device, "precision": a.precision,
                   "timestep_sampler": sampler, "warmup_steps": 0, "log_every": a.steps,
-                  "checkpoint_every": steps, "keep_checkpoints": 1},
+                  "checkpoint_every": total_steps, "keep_checkpoints": 1},
         "introspect": {"every": 0, "steps": []},
     })
 
 
-def run_ddpmrepro(a, data_dir: Path, tmp: Path, sampler: str) -> float:
-    """Images/s of the last log interval: exactly the measured steps (the warm-up is the first interval)."""
-    from ddpmrepro.train import TrainPaths, train
+class DdpmreproLoop:
+    """`ddpmrepro.train.train()` run once as a coroutine (a greenlet, on the caller's own OS thread,
+    so the same OpenMP team and signal handlers) that pauses after every `steps` training steps.
 
+    The model, optimizer and data are built once, in the first (warm-up) block, and every later
+    block continues the same run: no rebuild or re-warm per block. The pause point is train.py's
+    per-step `_agree` call (after the EMA update): the log and checkpoint code of a block's last
+    step run at the start of the next block, so every measured block holds exactly one log line.
+    train() keeps its signal handling: the first Ctrl-C asks it to stop at the end of a step (of
+    whichever run is going), the second leaves at once.
+    """
+
+    _current: dict = {}  # greenlet -> loop, for the step hook
+
+    def __init__(self, params: P.Params, paths):
+        self.params, self.paths = params, paths
+        self.steps_left = 0
+        self.steps_done = 0
+        self.summary: dict | None = None
+        self._glet = greenlet(lambda: ddpm_train.train(params, paths, restart=True))
+        self._current[self._glet] = self
+
+    @classmethod
+    def _hook(cls, original):
+        def agree(flag):
+            loop = cls._current.get(greenlet.getcurrent())
+            if loop is not None:
+                loop.steps_done += 1
+                loop.steps_left -= 1
+                if loop.steps_left == 0:
+                    loop._glet.parent.switch()
+            return original(flag)
+        return agree
+
+    def run(self, steps: int) -> None:
+        """Runs the next `steps` steps of the training run and pauses."""
+        if self._glet.dead:
+            raise RuntimeError("the training run has already finished")
+        self._resume(steps)
+
+    def finish(self) -> dict:
+        """Runs the remaining steps (none, if the run was sized to the blocks) and the export."""
+        self.summary = self._resume(-1)  # -1: never pauses again
+        self._current.pop(self._glet, None)
+        if not self._glet.dead:
+            raise RuntimeError("the training run did not finish")
+        return self.summary
+
+    def _resume(self, steps: int):
+        self.steps_left = steps
+        original = ddpm_train._agree
+        ddpm_train._agree = self._hook(original)  # only while this run runs
+        try:
+            return self._glet.switch()
+        finally:
+            ddpm_train._agree = original
+
+
+def train_paths(tmp: Path, data_dir: Path):
     run = Path(tempfile.mkdtemp(dir=tmp))
-    paths = TrainPaths(data_dir, run / "model", run / "live", run / "introspect", run / "ckpt")
-    summary = train(bench_params(a, sampler), paths, restart=True)
-    return summary["images_per_sec"]
+    return ddpm_train.TrainPaths(data_dir, run / "model", run / "live", run / "introspect", run / "ckpt")
 
 
 class PlainLoop:
-    """The loop a researcher writes by hand, on the same UNet (or diffusers' UNet2DModel)."""
+    """The loop a researcher writes by hand, on the same UNet (or diffusers' UNet2DModel), with
+    ddpmrepro's optimizer settings: AdamW(lr, weight_decay=0), lr set every step, clip at 1.0."""
 
-    def __init__(self, a, data_dir: Path, model: str):
-        self.a, self.device = a, torch.device(a.device if a.device != "auto" else "cpu")
+    def __init__(self, a, p: P.TrainParams, data_dir: Path, model: str, total_steps: int):
+        self.a, self.p, self.total_steps = a, p, total_steps
+        self.device = torch.device(a.device)
         d = load_prepared(data_dir)
         self.images = torch.as_tensor(d.train_images).to(self.device)
         self.labels = torch.as_tensor(d.train_labels, dtype=torch.long).to(self.device)
@@ -77,10 +134,12 @@ class PlainLoop:
                                  num_classes=self.num_classes, learn_sigma=False) if model == "plain"
                       else diffusers_unet(a, self.num_classes)).to(self.device).train()
         self.diffusers = model == "diffusers"
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-4, foreach=True)
-        self.ema = [p.detach().clone() for p in self.model.parameters()]
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
+                                     **({"fused": True} if self.device.type == "cuda" else {"foreach": True}))
+        self.resolve_params()
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(a.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=a.precision == "fp16")
+        self.n = 0
         if self.diffusers:
             from diffusers import DDPMScheduler
 
@@ -91,14 +150,24 @@ class PlainLoop:
             betas = (1 - f[1:] / f[:-1]).clamp(max=0.999)
             self.alpha_bar = torch.cumprod(1 - betas, 0).float().to(self.device)
 
+    def resolve_params(self) -> None:
+        """A careful hand-written loop walks the parameters once, not per step (a walk of the tiny
+        UNet's 183 tensors costs ~0.35 ms; ddpmrepro's EMA resolves its tensors once too). Call
+        again after changing the model's storage (`.to(memory_format=...)`)."""
+        self.params = list(self.model.parameters())
+        self.live = [q.detach() for q in self.params]
+        self.ema = [q.clone() for q in self.live]
+
     def step(self) -> None:
         B = self.a.batch
         idx = torch.randint(len(self.images), (B,), device=self.device)
         x0 = to_model_range(self.images[idx])
         y = self.labels[idx]
-        y = torch.where(torch.rand(B, device=self.device) < 0.1, torch.full_like(y, self.num_classes), y)
+        y = torch.where(torch.rand(B, device=self.device) < self.p.label_dropout, torch.full_like(y, self.num_classes), y)
         t = torch.randint(0, 1000, (B,), device=self.device)
         noise = torch.randn_like(x0)
+        for group in self.opt.param_groups:  # linear anneal, as ddpmrepro's default
+            group["lr"] = self.p.lr * max(0.0, 1.0 - self.n / self.total_steps)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
             if self.diffusers:
                 xt = self.scheduler.add_noise(x0, noise, t)
@@ -110,19 +179,16 @@ class PlainLoop:
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.opt)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.params, self.p.grad_clip)
         self.scaler.step(self.opt)
         self.scaler.update()
         with torch.no_grad():
-            torch._foreach_lerp_(self.ema, [p.detach() for p in self.model.parameters()], 1 - 0.999)
+            torch._foreach_lerp_(self.ema, self.live, 1 - self.p.ema_rates[0])
+        self.n += 1
 
-    def images_per_sec(self, steps: int) -> float:
-        sync(self.device)
-        t0 = time.perf_counter()
+    def run(self, steps: int) -> None:
         for _ in range(steps):
             self.step()
-        sync(self.device)
-        return steps * self.a.batch / (time.perf_counter() - t0)
 
 
 def diffusers_unet(a, num_classes: int):
@@ -142,16 +208,21 @@ def diffusers_unet(a, num_classes: int):
     )
 
 
+def cuda_sync(device: str):
+    return (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="batch 64, 10 steps, 3 repeats")
+    ap.add_argument("--quick", action="store_true", help="batch 64, 10 rounds")
     ap.add_argument("--preset", default="tiny", choices=list(PRESETS))
     ap.add_argument("--image-size", type=int, default=8)
     ap.add_argument("--channels", type=int, default=1)
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=20, help="measured steps per block")
-    ap.add_argument("--warmup", type=int, default=20, help="steps before measuring (a multiple of --steps)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="training steps per block (and ddpmrepro's log_every)")
+    ap.add_argument("--rounds", type=int, default=40, help="rounds of one block per contender, in random order")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed blocks per contender before the rounds")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the round orders")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "bf16"))
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -159,55 +230,64 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.quick:
-        a.batch, a.steps, a.warmup, a.repeats = 64, 10, 10, 3
-    if a.warmup % a.steps:
-        ap.error("--warmup must be a multiple of --steps (ddpmrepro's last log interval is the measured block)")
+        a.batch, a.rounds = 64, 10
     if a.threads:
         torch.set_num_threads(a.threads)
     modes = a.modes.split(",")
+    if "plain" not in modes:
+        ap.error("--modes must include plain (the reference)")
     if "diffusers" in modes:
         try:
             import diffusers  # noqa: F401
         except ImportError:
             print("diffusers is not installed (pip install -e .[bench]); skipping that mode")
             modes.remove("diffusers")
-    rates: dict[str, list[float]] = {m: [] for m in modes}
+    total = (a.warmup + a.rounds) * a.steps
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         data_dir = tmp / "prepared"
         prepare(P.DataParams(image_size=a.image_size, channels=a.channels), data_dir)
-        loops = {m: PlainLoop(a, data_dir, m) for m in modes if m in ("plain", "diffusers")}
-        for loop in loops.values():
-            loop.images_per_sec(a.warmup)
-        for r in range(a.repeats):
-            for m in modes:
-                if m in loops:
-                    rates[m].append(loops[m].images_per_sec(a.steps))
-                else:
-                    rates[m].append(run_ddpmrepro(a, data_dir, tmp, "uniform" if m == "ddpmrepro" else "loss-second-moment"))
-            print(f"repeat {r + 1}/{a.repeats}: " + ", ".join(f"{m} {v[-1]:.0f} img/s" for m, v in rates.items()),
-                  flush=True)
-        nparams = {m: sum(p.numel() for p in loop.model.parameters()) for m, loop in loops.items()}
-    med = {m: statistics.median(v) for m, v in rates.items()}
-    base = med.get("plain")
+        ours = {m: DdpmreproLoop(bench_params(a, "uniform" if m == "ddpmrepro" else "loss-second-moment", total),
+                                 train_paths(tmp, data_dir)) for m in modes if m.startswith("ddpmrepro")}
+        p = bench_params(a, "uniform", total).train
+        plain = {m: PlainLoop(a, p, data_dir, m, total) for m in modes if m in ("plain", "diffusers")}
+        loops = {**ours, **plain}
+
+        def progress(r, times):
+            print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{m} {a.steps * a.batch / w:.0f} img/s"
+                                                            for m, (w, _) in times.items()), flush=True)
+
+        timing = paired_rounds({m: (lambda loop=loop: loop.run(a.steps)) for m, loop in loops.items()}, "plain",
+                               a.rounds, warmup=a.warmup, seed=a.seed, sync=cuda_sync(a.device), progress=progress)
+        steps_run = {m: loop.finish()["step"] for m, loop in ours.items()}
+        nparams = {m: sum(q.numel() for q in loop.model.parameters()) for m, loop in plain.items()}
+    if any(s != total for s in steps_run.values()):
+        raise RuntimeError(f"ddpmrepro ran {steps_run} steps, expected {total}")
+    threads = timing["before"]["torch_threads"]
+    ratio = timing["ratio_wall"]
     result = {
         "command": command_line("train_step.py", a, skip=("quick", "out")),
         "preset": a.preset, "image": [a.channels, a.image_size, a.image_size], "batch": a.batch,
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(), "precision": a.precision,
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
-        "params": nparams, "steps_per_block": a.steps, "repeats": a.repeats,
-        "images_per_sec": {m: {"median": med[m], "all": v} for m, v in rates.items()},
-        "step_time_ratio_vs_plain": {m: base / med[m] for m in med} if base else None,
-        "target": "ddpmrepro / plain step time <= 1.05",
+        "threads": threads, "torch": torch.__version__, "machine": platform.machine(), "params": nparams,
+        "steps_per_block": a.steps,
+        "images_per_sec": {m: a.steps * a.batch / s["median"] for m, s in timing["wall_s"].items()},
+        "step_time_ratio_vs_plain": {m: ratio[m] for m in loops},
+        "target": {"what": f"ddpmrepro / plain step time <= {TARGET}", "ratio": TARGET,
+                   "verdict": {m: verdict(ratio[m], TARGET) for m in ours}},
+        "timing": timing,
     }
     tag = "" if (a.device, a.preset) == ("cpu", "tiny") else f"-{a.device}-{a.preset}-{a.precision}"
-    out = a.out or Path(f"benchmarks/results/train_step{tag}{'-quick' if a.quick else ''}.json")
+    out = a.out or Path(f"benchmarks/results/train_step{tag}{'-quick' if a.quick else ''}-threads{threads}.json")
     write_result(result, out)
+    load = timing["before"]["load_avg"][0], timing["after"]["load_avg"][0]
     print(f"{a.preset} {a.channels}x{a.image_size}x{a.image_size}, batch {a.batch}, {a.device} {a.precision}, "
-          f"{result['threads']} threads; medians of {a.repeats} blocks of {a.steps} steps")
-    for m in med:
-        ratio = f"{base / med[m]:.3f}" if base else "-"
-        print(f"  {m:14} {med[m]:8.1f} img/s   step time / plain {ratio}")
+          f"{threads} threads, {a.rounds} rounds of {a.steps}-step blocks, load {load[0]:.2f} -> {load[1]:.2f}")
+    for m in loops:
+        print(f"  {m:13} {result['images_per_sec'][m]:7.0f} img/s  step time / plain: wall {fmt_ratio(ratio[m])}"
+              f"  cpu {timing['ratio_cpu'][m]['median']:.3f}")
+    for m, v in result["target"]["verdict"].items():
+        print(f"  target {m} <= {TARGET}: {v}")
 
 
 if __name__ == "__main__":

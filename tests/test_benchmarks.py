@@ -1,39 +1,249 @@
-"""The benchmark scripts still run and report what they claim (smallest settings; no timing asserted)."""
+"""The benchmarks' timing statistics (on synthetic timings with known answers), and that each
+script still runs at its smallest settings and writes the method and spread of every ratio
+(no speed is asserted: timings belong in docs/BENCHMARKS.md, not in tests)."""
 import json
 import os
+import statistics
 import subprocess
 import sys
+from itertools import permutations
 from pathlib import Path
 
+import numpy as np
 import pytest
+from scipy.stats import binom
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import timing  # noqa: E402
+
+SPREAD_KEYS = {"median", "min", "max", "q1", "q3", "median_ci95", "n"}
 
 
-def run(script: str, *args: str) -> None:
+# --- the statistics of benchmarks/timing.py ---------------------------------------------------
+
+def test_spread_of_known_samples():
+    s = timing.spread([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (s["median"], s["min"], s["max"], s["q1"], s["q3"], s["n"]) == (3, 1, 5, 2, 4, 5)
+    s = timing.spread([4.0, 1.0, 3.0, 2.0])  # quartiles interpolate: 1 + 0.75 * (2 - 1), 3 + 0.25 * (4 - 3)
+    assert (s["median"], s["q1"], s["q3"]) == (2.5, 1.75, 3.25)
+    assert timing.spread([7.0]) | {"median_ci95": None} == {"median": 7, "min": 7, "max": 7, "q1": 7, "q3": 7,
+                                                            "median_ci95": None, "n": 1}
+
+
+def test_quartiles_agree_with_numpy_on_random_samples():
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 10, 41):
+        xs = rng.lognormal(size=n)
+        s = timing.spread(list(xs))
+        assert [s["q1"], s["median"], s["q3"]] == pytest.approx(np.percentile(xs, [25, 50, 75]))
+
+
+def test_median_interval_rank_is_the_binomial_order_statistic():
+    # Textbook values: n = 10 -> (x_2, x_9), n = 20 -> (x_6, x_15), n = 40 -> (x_14, x_27); none below 6.
+    assert [timing.median_ci_rank(n) for n in (5, 6, 10, 20, 40)] == [0, 1, 2, 6, 14]
+    for n in range(1, 120):
+        k = timing.median_ci_rank(n)
+        assert binom.cdf(k - 1, n, 0.5) <= 0.025 < binom.cdf(k, n, 0.5)
+    xs = list(range(1, 21))
+    assert timing.spread(xs)["median_ci95"] == [6, 15]
+
+
+def test_median_interval_covers_the_true_median_95_percent_of_the_time():
+    rng = np.random.default_rng(1)
+    hits = sum(lo <= np.log(2) <= hi for lo, hi in
+               (timing.spread(list(rng.exponential(size=25)))["median_ci95"] for _ in range(4000)))
+    assert 0.94 < hits / 4000 < 0.985  # exact coverage for n = 25: 1 - 2 P(B <= 7) = 0.957
+
+
+def test_verdict_needs_the_whole_interval_on_one_side_of_the_target():
+    around = lambda c, w: timing.spread([c + w * (i / 19 - 0.5) for i in range(20)])  # noqa: E731
+    assert timing.verdict(around(1.02, 0.02), 1.05) == "met"
+    assert timing.verdict(around(1.08, 0.02), 1.05) == "missed"
+    assert timing.verdict(around(1.04, 0.1), 1.05) == "unresolved"  # median below, interval across
+    assert timing.verdict(timing.spread([1.0, 1.0]), 1.05).startswith("unresolved (too few")
+
+
+def test_round_orders_are_fresh_uniform_shuffles():
+    names = ["a", "b", "c", "d"]
+    orders = timing.round_orders(names, 480, seed=3)
+    assert all(sorted(o) == names for o in orders)
+    assert orders == timing.round_orders(names, 480, seed=3) != timing.round_orders(names, 480, seed=4)
+    assert {tuple(o) for o in orders} == set(permutations(names))  # all 24 orders occur
+    for pos in range(4):  # each name leads / trails about a quarter of the rounds (binomial sd ~9.5)
+        counts = [sum(o[pos] == n for o in orders) for n in names]
+        assert all(80 < c < 160 for c in counts), counts
+
+
+class FakeMachine:
+    """Blocks that take base[name] x drift[round] seconds on fake clocks; CPU time is 90% of wall."""
+
+    def __init__(self, base: dict, drift: list[float]):
+        self.base, self.drift, self.round, self.now, self.calls = base, drift, 0, 0.0, []
+
+    def block(self, name):
+        def run():
+            self.calls.append(name)
+            self.now += self.base[name] * (self.drift[self.round] if self.round < len(self.drift) else 1.0)
+        return run
+
+    def end_round(self, r, times):
+        self.round = r + 1
+
+
+def test_ratios_pair_blocks_of_the_same_round_under_drift():
+    # The machine's speed changes 3x between rounds; `ours` is always 1.04x `ref` in the same round.
+    base = {"ref": 1.0, "ours": 1.04, "other": 2.0}
+    drift = [1.0, 3.0, 1.5, 0.8, 2.5, 1.1, 2.0]
+    m = FakeMachine(base, drift)
+    r = timing.paired_rounds({n: m.block(n) for n in base}, "ref", len(drift), warmup=2, seed=5,
+                             wall_clock=lambda: m.now, cpu_clock=lambda: 0.9 * m.now, progress=m.end_round)
+    assert m.calls[:6] == ["ref", "ref", "ours", "ours", "other", "other"]  # warm-up, untimed
+    assert m.calls[6:] == [n for order in r["orders"] for n in order]  # the recorded orders were run
+    for n in base:
+        assert r["wall_s"][n]["per_round"] == pytest.approx([base[n] * d for d in drift])
+        assert r["cpu_s"][n]["per_round"] == pytest.approx([0.9 * base[n] * d for d in drift])
+    for key in ("ratio_wall", "ratio_cpu"):
+        s = r[key]["ours"]
+        assert s["min"] == pytest.approx(1.04) and s["max"] == pytest.approx(1.04) and set(s) == SPREAD_KEYS
+    assert r["ratio_wall"]["ref"]["median"] == 1.0
+    assert len(r["load1_per_round"]) == len(drift) and len(r["before"]["load_avg"]) == 3
+    assert r["before"]["torch_threads"] >= 1 and r["reference"] == "ref" and r["rounds"] == len(drift)
+
+
+def test_paired_rounds_rejects_an_unknown_reference():
+    with pytest.raises(ValueError, match="reference"):
+        timing.paired_rounds({"a": lambda: None}, "plain", 3)
+
+
+# --- the scripts, end to end, at the smallest settings ----------------------------------------
+
+def run(script: str, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
 
 
-def test_train_step_benchmark_compares_the_same_model_in_each_loop(tmp_path):
+def table_rows(results: Path) -> list[str]:
+    """benchmarks/tables.py's markdown rows for a results file (what the doc quotes)."""
+    return [ln for ln in run("tables.py", str(results)).splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+
+
+def check_paired(t: dict, names: set, rounds: int, reference: str, threads: int) -> None:
+    """A results JSON's timing block: per-round times of every contender, ratios that are exactly the
+    per-round quotients, their spread, the thread count and the load before and after."""
+    assert t["rounds"] == rounds and t["reference"] == reference and len(t["orders"]) == rounds
+    assert all(sorted(o) == sorted(names) for o in t["orders"])
+    assert t["before"]["torch_threads"] == t["after"]["torch_threads"] == threads
+    assert len(t["before"]["load_avg"]) == len(t["after"]["load_avg"]) == 3
+    for kind, ratio in (("wall_s", "ratio_wall"), ("cpu_s", "ratio_cpu")):
+        assert set(t[kind]) == set(t[ratio]) == names
+        for n in names:
+            per_round = t[kind][n]["per_round"]
+            assert len(per_round) == rounds and all(x > 0 for x in per_round)
+            quotients = [a / b for a, b in zip(per_round, t[kind][reference]["per_round"])]
+            assert set(t[ratio][n]) == SPREAD_KEYS
+            assert t[ratio][n]["median"] == pytest.approx(statistics.median(quotients))
+            assert t[ratio][n]["min"] == pytest.approx(min(quotients))
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_pairs_ddpmrepro_with_the_plain_loop(tmp_path):
     out = tmp_path / "train.json"
-    run("train_step.py", "--batch", "8", "--steps", "2", "--warmup", "2", "--repeats", "2",
-        "--modes", "ddpmrepro,plain", "--out", str(out))
+    run("train_step.py", "--batch", "8", "--steps", "2", "--warmup", "1", "--rounds", "6", "--threads", "1",
+        "--modes", "ddpmrepro,ddpmrepro+is,plain", "--out", str(out))
     r = json.loads(out.read_text())
-    med = {m: v["median"] for m, v in r["images_per_sec"].items()}
-    assert set(med) == {"ddpmrepro", "plain"} and all(v > 0 for v in med.values())
-    assert all(len(v["all"]) == 2 for v in r["images_per_sec"].values())
-    assert r["step_time_ratio_vs_plain"]["ddpmrepro"] == pytest.approx(med["plain"] / med["ddpmrepro"])
-    assert r["params"]["plain"] == 457_761  # the default tiny UNet
+    names = {"ddpmrepro", "ddpmrepro+is", "plain"}
+    check_paired(r["timing"], names, 6, "plain", threads=1)
+    assert r["threads"] == 1 and r["params"]["plain"] == 457_761  # the default tiny UNet
+    assert r["step_time_ratio_vs_plain"]["ddpmrepro"] == r["timing"]["ratio_wall"]["ddpmrepro"]
+    assert set(r["target"]["verdict"]) == {"ddpmrepro", "ddpmrepro+is"}
+    assert "--threads 1" in r["command"] and "--rounds 6" in r["command"]
+    rows = table_rows(out)
+    assert len(rows) == 3 and f"{r['timing']['ratio_wall']['ddpmrepro']['median']:.3f} [" in rows[0]
 
 
-def test_sample_speed_benchmark_reports_overhead_over_bare_forwards(tmp_path):
+@pytest.mark.slow
+def test_sample_speed_benchmark_pairs_generate_with_bare_forwards(tmp_path):
     out = tmp_path / "sample.json"
-    run("sample_speed.py", "--batch", "4", "--repeats", "1", "--samplers", "ddim50", "--out", str(out))
-    r = json.loads(out.read_text())["samplers"]["ddim50"]
-    assert r["steps"] == 50 and r["forward_batch"] == 8  # guidance doubles the batch
-    ips = r["images_per_sec"]
-    assert r["overhead_pct"] == pytest.approx(100 * (ips["bare"] / ips["ddpmrepro"] - 1))
+    run("sample_speed.py", "--batch", "4", "--rounds", "3", "--samplers", "ddim50", "--out", str(out))
+    r = json.loads(out.read_text())
+    s = r["samplers"]["ddim50"]
+    assert s["steps"] == 50 and s["forward_batch"] == 8  # guidance doubles the batch
+    check_paired(s["timing"], {"ddpmrepro", "bare"}, 3, "bare", threads=r["threads"])
+    assert s["overhead_pct"] == pytest.approx(100 * (s["time_ratio_vs_bare"]["median"] - 1))
+    assert s["verdict"].startswith("unresolved (too few")  # 3 rounds cannot give a 95% interval
+    (row,) = table_rows(out)
+    assert f"{s['time_ratio_vs_bare']['median']:.3f} (" in row and row.endswith("| not resolved |")
+
+
+@pytest.mark.slow
+def test_growth_benchmark_times_each_row_against_the_first(tmp_path):
+    out = tmp_path / "growth.json"
+    run("growth.py", "--presets", "tiny", "--sizes", "8,16", "--batch", "4", "--steps", "1", "--rounds", "2",
+        "--threads", "1", "--out", str(out))
+    r = json.loads(out.read_text())
+    check_paired(r["timing"], {"tiny@8px", "tiny@16px"}, 2, "tiny@8px", threads=1)
+    first, second = r["rows"]
+    assert first["step_time_ratio_vs_first"]["median"] == 1.0 and first["flop_ratio_vs_first"] == 1.0
+    assert second["flop_ratio_vs_first"] == pytest.approx(4, rel=0.1)  # 4x the pixels, convolutions dominate
+    assert second["images_per_sec"] == pytest.approx(4 / (r["timing"]["wall_s"]["tiny@16px"]["median"]))
+    rows = table_rows(out)
+    assert len(rows) == 2 and "| tiny | 16 px |" in rows[1]
+
+
+@pytest.mark.slow
+def test_paused_training_run_is_the_uninterrupted_run(tmp_path):
+    """train_step.py times train() paused after every block: the pauses change nothing it computes."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file
+
+    import ddpmrepro.train as T
+    import train_step
+    from ddpmrepro import params as P
+    from ddpmrepro.data import prepare
+
+    torch.set_num_threads(1)
+    prepare(P.DataParams(), tmp_path / "data")
+    cfg = SimpleNamespace(image_size=8, channels=1, preset="tiny", batch=8, steps=2, device="cpu", precision="fp32")
+    params = train_step.bench_params(cfg, "loss-second-moment", total_steps=6)
+    paused, straight = (train_step.train_paths(tmp_path, tmp_path / "data") for _ in range(2))
+    original = T._agree
+    loop = train_step.DdpmreproLoop(params, paused)
+    for _ in range(3):
+        loop.run(2)
+        assert T._agree is original  # the step hook is in place only while the run runs
+    assert loop.steps_done == 6
+    assert loop.finish()["step"] == 6
+    T.train(params, straight, restart=True)
+    a, b = (load_file(p.model_dir / "model.safetensors") for p in (paused, straight))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_profile_shares_charge_samples_to_the_loop_statement(tmp_path):
+    """profile_step.py reads py-spy's collapsed stacks: each sample goes to the loop line it was under."""
+    import profile_step
+
+    source = tmp_path / "loop.py"
+    source.write_text("def train():\n    forward()\n    backward()\n")
+    raw = tmp_path / "raw.txt"
+    raw.write_text("main (run.py:9);train (pkg/loop.py:2);forward (m.py:5);conv (m.py:7) 30\n"
+                   "main (run.py:9);train (pkg/loop.py:3);backward (m.py:9) 60\n"
+                   "main (run.py:9);train (pkg/loop.py:2) 10\n"
+                   "main (run.py:9);import_stuff (x.py:1) 100\n")
+    shares = profile_step.statement_shares(raw, "train (pkg/loop.py:", source)
+    assert shares == {"(outside the loop)": 0.5, "loop.py:3  backward()": 0.3, "loop.py:2  forward()": 0.2}
+
+
+@pytest.mark.slow
+def test_serial_pieces_script_times_every_piece():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "DVC_NO_ANALYTICS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serial_pieces.py"), "--calls", "0.01"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if " ms  " in ln]
+    assert len(lines) == 9 and all(float(ln.split()[0]) > 0 for ln in lines[:8])  # the 9th is a difference
