@@ -16,7 +16,8 @@ the manifest expects now. What that trades:
     back but never ctime (the kernel sets it to "now" on every change, utime included). A file
     tampered with in place, or replaced (`dvc checkout` of other data, a copy, a reflink: new inode),
     is hashed again.
-  * Not caught: corruption below the file system (bit rot, a disk returning bad blocks) after the
+  * Not caught: a change within the same tick of the kernel's coarse clock (a few ms) as the previous
+    one, with the size kept; and corruption below the file system (bit rot, a disk returning bad blocks) after the
     stamp was written. Hashing on every start would catch it; ZFS/btrfs checksums catch it anyway.
     Delete the cache directory (or the stamp) to force a full check.
   * Spurious re-hashing, harmless: DVC with `cache.type: hardlink` chmods a cache file while it
