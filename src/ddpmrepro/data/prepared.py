@@ -80,18 +80,19 @@ def prepare(params: DataParams, out_dir: str | Path, *, workers: int | None = No
     # Decode in the source's order, each image to its split's writer; then swap the result into place.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     files: dict[str, str] = {}
-    writers = {"train": shards.SplitWriter(tmp, "train", labels[~is_test], source.image_shape, files),
-               "test": shards.SplitWriter(tmp, "test", labels[is_test], source.image_shape, files)}
+    n_test = int(is_test.sum())
+    writers = {"train": shards.SplitWriter(tmp, "train", len(labels) - n_test, source.image_shape, files),
+               "test": shards.SplitWriter(tmp, "test", n_test, source.image_shape, files)}
     try:
         start = 0
         for chunk in source.images(workers):
-            mask = is_test[start:start + len(chunk)]
-            writers["train"].write(chunk[~mask])
-            writers["test"].write(chunk[mask])
+            mask, y = is_test[start:start + len(chunk)], labels[start:start + len(chunk)]
+            writers["train"].write(chunk[~mask], y[~mask])
+            writers["test"].write(chunk[mask], y[mask])
             start += len(chunk)
         splits = {name: w.close() for name, w in writers.items()}
-        counts = {"train": np.bincount(labels[~is_test], minlength=k).tolist(),
-                  "test": np.bincount(labels[is_test], minlength=k).tolist()}
+        counts = {"train": np.bincount(labels, weights=~is_test, minlength=k).astype(int).tolist(),
+                  "test": np.bincount(labels, weights=is_test, minlength=k).astype(int).tolist()}
         manifest = _manifest(params, source, files, splits, counts,
                              "official" if source.is_test is not None else "stratified")
         _write_bytes(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
@@ -130,9 +131,9 @@ def stratified_split(labels: np.ndarray, num_classes: int, test_fraction: float,
             raise DataError(f"class {class_names[c]!r}: has {len(idx)} image(s); a stratified split needs at "
                             f"least 2 per class, add images to it")
         n_test = min(max(int(np.floor(test_fraction * len(idx) + 0.5)), 1), len(idx) - 1)
-        keys = [hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest() for i in idx]
-        order = sorted(range(len(idx)), key=keys.__getitem__)
-        is_test[idx[order[:n_test]]] = True
+        keys = np.fromiter((int.from_bytes(hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest(), "big")
+                            for i in idx), np.uint64, len(idx))  # 8 bytes per image, not a list of bytes objects
+        is_test[idx[np.argsort(keys, kind="stable")[:n_test]]] = True
     return is_test
 
 

@@ -74,35 +74,35 @@ class _NpyStream:
 
 
 class SplitWriter:
-    """Writes one split (its images arrive in order, in chunks of any size) as shards in `directory`.
+    """Writes one split as shards in `directory`: images and labels arrive in order, in chunks of any
+    size; the split's size `count` is known in advance (so is every shard's). `close()` returns the
+    split's manifest entry and records every file's sha256 in `files`."""
 
-    `labels` are the split's labels, in order (known before any image is decoded). `close()`
-    returns the manifest entry of the split and records every file's sha256 in `files`.
-    """
-
-    def __init__(self, directory: Path, split: str, labels: np.ndarray, image_shape: tuple[int, ...],
-                 files: dict[str, str]):
-        self.directory, self.split, self.labels = directory, split, labels
+    def __init__(self, directory: Path, split: str, count: int, image_shape: tuple[int, ...], files: dict[str, str]):
+        self.directory, self.split, self.total = directory, split, count
         self.image_shape, self.files = tuple(image_shape), files
         self.per_shard = shard_size(self.image_shape)
         self.count = 0  # images written so far
         self.shards: list[dict] = []
         self.current: _NpyStream | None = None
+        self.labels: list[np.ndarray] = []  # of the current shard
 
-    def write(self, images: np.ndarray) -> None:
+    def write(self, images: np.ndarray, labels: np.ndarray) -> None:
+        assert len(images) == len(labels)
         while len(images):
             if self.current is None:
                 self._open()
             take = min(self.current.rows_left, len(images))
             self.current.write(images[:take])
+            self.labels.append(labels[:take])
             self.count += take
-            images = images[take:]
+            images, labels = images[take:], labels[take:]
             if self.current.rows_left == 0:
                 self._finish()
 
     def _open(self) -> None:
-        n = min(self.per_shard, len(self.labels) - self.count)
-        assert n > 0, f"more {self.split} images than labels"
+        n = min(self.per_shard, self.total - self.count)
+        assert n > 0, f"more {self.split} images than announced"
         images_name, labels_name = shard_names(self.split, len(self.shards))
         self.current = _NpyStream(self.directory / images_name, (n, *self.image_shape), np.uint8)
         self.shards.append({"images": images_name, "labels": labels_name, "count": n})
@@ -111,15 +111,15 @@ class SplitWriter:
         entry = self.shards[-1]
         self.files[entry["images"]] = self.current.close()
         self.current = None
-        start = self.count - entry["count"]
         labels = _NpyStream(self.directory / entry["labels"], (entry["count"],), np.int64)
-        labels.write(self.labels[start:self.count].astype(np.int64))
+        labels.write(np.concatenate(self.labels).astype(np.int64))
+        self.labels = []
         self.files[entry["labels"]] = labels.close()
 
     def close(self) -> dict:
         """The split's manifest entry: count, shards, and one sha256 over its files in order."""
-        if self.count != len(self.labels):
-            raise AssertionError(f"{self.split}: {self.count} images written for {len(self.labels)} labels")
+        if self.count != self.total:
+            raise AssertionError(f"{self.split}: {self.count} images written of {self.total}")
         return {"count": self.count, "sha256": split_digest(self.shards, self.files), "shards": self.shards}
 
     def abort(self) -> None:
