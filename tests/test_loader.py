@@ -130,3 +130,15 @@ def test_training_on_shards_read_ahead_gives_the_in_memory_weights_bitwise(shard
         weights[name] = (run / "model" / "model.safetensors").read_bytes()
     assert weights["shards"] == weights["memory"]
     assert reader_threads() == []
+
+
+def test_only_whole_file_maps_are_read_with_pread(sharded):
+    """A slice of a map keeps the parent's offset: reading it by offset would return the wrong rows."""
+    d = load_prepared(sharded)
+    part = d.train_images.parts[2]
+    assert shards.row_sources(part) == [(part.filename, part.offset, 100)]
+    assert shards.row_sources(part[10:]) is None and shards.row_sources(np.asarray(part)) is None
+    reader = RowReader(part[10:])
+    out = np.empty((2, 1, 8, 8), np.uint8)
+    reader.gather(np.array([0, 5]), out)
+    assert np.array_equal(out, np.asarray(part)[[10, 15]])

@@ -230,6 +230,8 @@ def row_sources(images) -> list[tuple[str, int, int]] | None:
     """(file, byte offset of row 0, rows) of each memory-mapped part of `images`, or None if any part
     is an in-memory array. Lets a reader fetch rows with pread instead of through the map."""
     parts = images.parts if isinstance(images, ShardedArray) else [images]
-    if not all(isinstance(p, np.memmap) and p.filename and p.flags.c_contiguous for p in parts):
+    # Only whole-file maps (a slice of a map keeps its parent's offset, so it would read the wrong rows).
+    if not all(isinstance(p, np.memmap) and p.filename and p.flags.c_contiguous
+               and os.path.getsize(p.filename) == p.offset + p.nbytes for p in parts):
         return None
     return [(p.filename, int(p.offset), len(p)) for p in parts]
