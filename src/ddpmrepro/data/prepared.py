@@ -91,8 +91,8 @@ def prepare(params: DataParams, out_dir: str | Path, *, workers: int | None = No
             writers["test"].write(chunk[mask], y[mask])
             start += len(chunk)
         splits = {name: w.close() for name, w in writers.items()}
-        counts = {"train": np.bincount(labels, weights=~is_test, minlength=k).astype(int).tolist(),
-                  "test": np.bincount(labels, weights=is_test, minlength=k).astype(int).tolist()}
+        counts = {"train": np.bincount(labels[~is_test], minlength=k).tolist(),
+                  "test": np.bincount(labels[is_test], minlength=k).tolist()}
         manifest = _manifest(params, source, files, splits, counts,
                              "official" if source.is_test is not None else "stratified")
         _write_bytes(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
