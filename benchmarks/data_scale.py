@@ -13,7 +13,10 @@ ROOT/raw-N (kept and reused by later runs: ~4 GB for 1M), then measures, each st
   train       `ddpmrepro train`, 50 steps of batch 128 with the tiny preset: peak RSS
   step time   the same training loop with rows read from the shards (background thread, pread)
               against rows indexed from the whole split held in memory (the previous code's path),
-              in interleaved rounds with a random order in each; the ratio per round, median and spread
+              in interleaved rounds with a random order in each: per round the ratio of median step
+              times, wall clock and main-thread CPU (with --threads 1 the latter is all of a step's
+              work and ignores other processes), the median and spread of the ratios, and the CPU
+              time of the read-ahead thread
   dvc         the prepared output in a fresh DVC repo with the project's .dvc/config: `dvc add` time,
               `dvc status` time, and the bytes on disk of workspace + cache (hard links count once)
 The load average is recorded before and after each N. Targets (issue 14): peak RSS of prepare and of
@@ -223,6 +226,46 @@ def measure_load(a, prepared: Path, cache: Path) -> dict:
     return out
 
 
+class StepClock:
+    """Wall and main-thread CPU time at each microbatch request: the time between two requests is one
+    training step (here grad_accum is 1). Main-thread CPU time does not count other processes' work, so
+    it resolves small differences on a busy machine; it is all of a step's work with --threads 1."""
+
+    def __init__(self):
+        self.marks: list[tuple[float, float]] = []
+        self.reader_cpu: list[float] = []  # CPU seconds of each read-ahead thread
+
+    def mark(self) -> None:
+        self.marks.append((time.perf_counter(), time.thread_time()))
+
+    def steps(self, last: int) -> tuple[list[float], list[float]]:
+        m = self.marks[-(last + 1):]
+        return [b[0] - a[0] for a, b in zip(m, m[1:])], [b[1] - a[1] for a, b in zip(m, m[1:])]
+
+
+CLOCK = StepClock()
+
+
+def _timed_shards():
+    from ddpmrepro.data.loader import TrainBatches
+
+    class TimedBatches(TrainBatches):
+        """The library's read-ahead, with the clock marks and the thread's own CPU time."""
+
+        def get(self, micro):
+            CLOCK.mark()
+            return super().get(micro)
+
+        def _read_ahead(self, micro):
+            t0 = time.thread_time()
+            try:
+                super()._read_ahead(micro)
+            finally:
+                CLOCK.reader_cpu.append(time.thread_time() - t0)
+
+    return TimedBatches
+
+
 class InMemoryBatches:
     """The previous code's path: the whole split as one in-memory tensor, `images[idx]` when asked."""
 
@@ -236,6 +279,7 @@ class InMemoryBatches:
         self.world, self.rank, self.cache = world, rank, None
 
     def get(self, micro):
+        CLOCK.mark()
         epoch, pos = divmod(micro, self.per_epoch)
         if self.cache is None or self.cache[0] != epoch:
             self.cache = (epoch, self.order(self.n, self.world, self.rank, self.seed, epoch))
@@ -250,36 +294,48 @@ class InMemoryBatches:
 
 
 def paired_step_time(a, prepared: Path, work: Path) -> dict:
-    """Images/s of the last `pair_steps` of 2 x pair_steps steps, shards vs memory, in interleaved rounds."""
+    """Step times of the last `pair_steps` of 2 x pair_steps + 1 steps, shards vs memory, in interleaved
+    rounds (random order in each): per round the ratio of the median step times, wall and main-thread CPU."""
     import torch
 
     from ddpmrepro import params as P
     from ddpmrepro import train as T
     from ddpmrepro.data import load_prepared
-    from ddpmrepro.data.loader import TrainBatches
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    library = T.TrainBatches
+    modes = {"shards": _timed_shards(), "memory": InMemoryBatches}
     InMemoryBatches.images = torch.as_tensor(np.asarray(load_prepared(prepared).train_images))
-    params = P.from_dict(train_params(a, 2 * a.pair_steps, a.pair_steps))
-    rates: dict[str, list[float]] = {"shards": [], "memory": []}
+    # One step more than measured: the interval between requests m and m + 1 is step m.
+    params = P.from_dict(train_params(a, 2 * a.pair_steps + 1, a.pair_steps))
+    wall: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
     try:
         for r in range(a.rounds):
-            for mode in random.Random(r).sample(list(rates), 2):
-                T.TrainBatches = TrainBatches if mode == "shards" else InMemoryBatches
+            for mode in random.Random(r).sample(list(modes), 2):
+                T.TrainBatches = modes[mode]
                 run = Path(tempfile.mkdtemp(dir=work))
-                summary = T.train(params, T.TrainPaths(prepared, run / "model", run / "live", run / "introspect",
-                                                       run / "ckpt"), restart=True)
-                rates[mode].append(summary["images_per_sec"])
+                CLOCK.marks.clear()
+                T.train(params, T.TrainPaths(prepared, run / "model", run / "live", run / "introspect", run / "ckpt"),
+                        restart=True)
+                w, c = CLOCK.steps(a.pair_steps)
+                wall[mode].append(statistics.median(w))
+                cpu[mode].append(statistics.median(c))
                 shutil.rmtree(run)
-            print(f"  round {r + 1}/{a.rounds}: shards {rates['shards'][-1]:.1f} img/s, memory "
-                  f"{rates['memory'][-1]:.1f} img/s", flush=True)
+            print(f"  round {r + 1}/{a.rounds}: step time shards {wall['shards'][-1]:.3f} s "
+                  f"(CPU {cpu['shards'][-1]:.3f}), memory {wall['memory'][-1]:.3f} s (CPU {cpu['memory'][-1]:.3f})",
+                  flush=True)
     finally:
-        T.TrainBatches, InMemoryBatches.images = TrainBatches, None
-    ratios = [m / s for s, m in zip(rates["shards"], rates["memory"])]  # step time shards / memory
-    return {"rounds": a.rounds, "steps_per_block": a.pair_steps, "images_per_sec": rates,
-            "step_time_ratio_per_round": ratios, "step_time_ratio_median": statistics.median(ratios),
-            "step_time_ratio_min": min(ratios), "step_time_ratio_max": max(ratios)}
+        T.TrainBatches, InMemoryBatches.images = library, None
+    out = {"rounds": a.rounds, "steps_per_block": a.pair_steps, "threads": torch.get_num_threads(),
+           "step_s_median_per_round": wall, "main_thread_cpu_s_median_per_round": cpu,
+           "reader_thread_cpu_s_per_run": CLOCK.reader_cpu}
+    for name, t in (("step_time", wall), ("cpu_time", cpu)):
+        ratios = [s / m for s, m in zip(t["shards"], t["memory"])]
+        out.update({f"{name}_ratio_per_round": ratios, f"{name}_ratio_median": statistics.median(ratios),
+                    f"{name}_ratio_min": min(ratios), f"{name}_ratio_max": max(ratios)})
+    return out
 
 
 def measure_dvc(prepared: Path, work: Path) -> dict:
@@ -383,6 +439,8 @@ def main() -> None:
         "prepare_minutes_largest": hi["prepare"]["seconds"] / 60,
         "step_time_ratio_medians": {r["n"]: r["step_time"]["step_time_ratio_median"] for r in results
                                     if "step_time" in r},
+        "main_thread_cpu_ratio_medians": {r["n"]: r["step_time"]["cpu_time_ratio_median"] for r in results
+                                          if "step_time" in r},
     }
     result = {
         "command": command_line("data_scale.py", a, skip=("out",)),

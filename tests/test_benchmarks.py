@@ -53,8 +53,10 @@ def test_data_scale_benchmark_measures_every_stage_and_writes_its_json(tmp_path)
     assert load["warm"]["hashed_bytes"] == 0  # the cold run's stamps, read by another process
     assert s["train"]["steps"] == 2 and s["train"]["peak_rss_mb"] > 0
     st = s["step_time"]
-    memory, shards = st["images_per_sec"]["memory"][0], st["images_per_sec"]["shards"][0]
-    assert st["step_time_ratio_per_round"] == [pytest.approx(memory / shards)]
+    for name, key in (("step_time", "step_s_median_per_round"), ("cpu_time", "main_thread_cpu_s_median_per_round")):
+        shards, memory = st[key]["shards"][0], st[key]["memory"][0]
+        assert shards > 0 and memory > 0 and st[f"{name}_ratio_per_round"] == [pytest.approx(shards / memory)]
+    assert len(st["reader_thread_cpu_s_per_run"]) == 1 and st["threads"] == 1
     assert s["dvc"]["link_counts"] == [3]  # the benchmark's copy, the repo's workspace and DVC's cache: one inode
     assert s["dvc"]["repo_bytes_on_disk"] < 1.5 * s["dvc"]["data_bytes"]
     assert not (tmp_path / "ds" / "prepared-300").exists() and (tmp_path / "ds" / "raw-300" / ".complete").exists()
