@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ddpmrepro.data import DataError, ShardedArray, load_prepared, prepare, shards, sources
+from ddpmrepro.data import DataError, ShardedArray, image_folder, load_prepared, prepare, shards, sources
 from ddpmrepro.params import DataParams
 from fake_datasets import fake_image_folder
 
@@ -81,8 +81,8 @@ def test_decode_workers_never_change_a_byte(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "CHUNK_IMAGES", 7)  # 18 decode tasks
     monkeypatch.setattr(shards, "SHARD_BYTES", 3 * 8 * 8 * 25)
     pools = []
-    real = sources._start_method
-    monkeypatch.setattr(sources, "_start_method", lambda: pools.append(1) or real())
+    real = image_folder._start_method
+    monkeypatch.setattr(image_folder, "_start_method", lambda: pools.append(1) or real())
     params = DataParams(source="image_folder", root=str(tmp_path / "raw"), image_size=8, channels=3)
     outputs = {}
     for workers in (1, 2, 3):
@@ -95,7 +95,7 @@ def test_decode_workers_never_change_a_byte(tmp_path, monkeypatch):
     d = load_prepared(tmp_path / "w3")
     images = np.concatenate([np.asarray(d.train_images), np.asarray(d.test_images)])
     path = tmp_path / "raw" / "a" / "nested" / "x" / "001.jpg"
-    ref = sources.decode_image(path.read_bytes(), path, 8, 3)
+    ref = image_folder.decode_image(path.read_bytes(), path, 8, 3)
     assert sum(np.array_equal(x, ref) for x in images) == 1
 
 
@@ -140,3 +140,15 @@ def test_the_evaluator_fits_the_same_on_many_shards(tmp_path, monkeypatch):
     assert isinstance(b.test_images, ShardedArray)
     assert np.array_equal(ev.features(a.test_images), ev.features(b.test_images))
     assert json.loads((tmp_path / "many" / "manifest.json").read_text())["splits"]["train"]["count"] == 1438
+
+
+def test_a_class_folder_that_changes_during_prepare_is_refused(tmp_path):
+    """Names are listed again, class by class, when decoded: a folder that changed in between is refused."""
+    fake_image_folder(tmp_path / "raw", classes=("a", "b"), per_class=3, size=(8, 8))
+    files = image_folder.FolderFiles(tmp_path / "raw")
+    files.add_classes("", ["a", "b"])
+    assert files.labels().tolist() == [0, 0, 0, 1, 1, 1] and files.labels().dtype == np.uint8
+    assert files.rel_paths(1, 3) == ["a/001.png", "a/002.png"]
+    shutil.copy(tmp_path / "raw" / "b" / "000.png", tmp_path / "raw" / "b" / "003.png")
+    with pytest.raises(DataError, match=r"raw/b: changed while it was being prepared \(3 images, now 4\)"):
+        files.rel_paths(3, 6)

@@ -1,6 +1,6 @@
 """Dataset sources -> the prepared format (data contract, version 2), and back.
 
-`prepare(params, out_dir)` reads any supported source (see `sources.READERS`) and streams it into
+`prepare(params, out_dir)` reads any supported source (see `prepared.READERS`) and streams it into
 fixed-size shards, `<split>-<k>.images.npy` (uint8 `(n, C, H, W)`) and `<split>-<k>.labels.npy`
 (int64), plus `manifest.json`, byte-deterministically and atomically. `load_prepared(dir)` verifies
 and memory-maps them; `TrainBatches` reads a rank's training batches ahead, row by row.

@@ -25,13 +25,23 @@ from pathlib import Path
 import numpy as np
 
 from ddpmrepro.data import shards
-from ddpmrepro.data.sources import HFLIP_OK, READERS, DataError, Source, default_workers
+from ddpmrepro.data import sources
+from ddpmrepro.data.image_folder import default_workers, read_image_folder
+from ddpmrepro.data.sources import HFLIP_OK, DataError, Source
 from ddpmrepro.data.verify import Verifier
 from ddpmrepro.params import DataParams
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
+READERS = {
+    "digits": sources.read_digits,
+    "mnist5k": sources.read_mnist5k,
+    "mnist": sources.read_mnist_family,
+    "fashion_mnist": sources.read_mnist_family,
+    "cifar10": sources.read_cifar10,
+    "image_folder": read_image_folder,
+}
 SPLITS = ("train", "test")
 FIX = "run `ddpmrepro prepare` (or `dvc repro prepare`) again"
 

