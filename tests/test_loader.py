@@ -120,6 +120,7 @@ def test_training_on_shards_read_ahead_gives_the_in_memory_weights_bitwise(shard
         "train": {"steps": 12, "batch_per_proc": 128, "warmup_steps": 0, "checkpoint_every": 12, "log_every": 4,
                   "ema_rates": [0.9], "label_dropout": 0.2},  # 12 steps of 128: into the second epoch
         "introspect": {"every": 0, "steps": []},
+        "sample": {"respacing": "ddim5"},  # the default ddim50 cannot respace 10 timesteps
     })
     weights = {}
     for name in ("shards", "memory"):

@@ -230,8 +230,20 @@ def row_sources(images) -> list[tuple[str, int, int]] | None:
     """(file, byte offset of row 0, rows) of each memory-mapped part of `images`, or None if any part
     is an in-memory array. Lets a reader fetch rows with pread instead of through the map."""
     parts = images.parts if isinstance(images, ShardedArray) else [images]
-    # Only whole-file maps (a slice of a map keeps its parent's offset, so it would read the wrong rows).
-    if not all(isinstance(p, np.memmap) and p.filename and p.flags.c_contiguous
-               and os.path.getsize(p.filename) == p.offset + p.nbytes for p in parts):
+    if not all(isinstance(p, np.memmap) and p.filename and p.flags.c_contiguous and _whole_file(p) for p in parts):
         return None
     return [(p.filename, int(p.offset), len(p)) for p in parts]
+
+
+def _whole_file(m: np.memmap) -> bool:
+    """Whether `m` maps all rows of its .npy file (a slice of a map keeps its parent's offset: reading
+    by offset would return the wrong rows). Decided from the file's header, not its size, so a file
+    truncated since it was mapped still counts and its reader reports the short read."""
+    try:
+        with open(m.filename, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+            return f.tell() == m.offset and tuple(shape) == m.shape and dtype == m.dtype and not fortran
+    except (OSError, ValueError):
+        return False
