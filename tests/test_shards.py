@@ -113,7 +113,8 @@ def test_a_worker_error_is_one_line_and_leaves_the_old_output(tmp_path, monkeypa
 
 def test_not_enough_disk_space_is_refused_before_writing(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
-    with pytest.raises(DataError, match=r"needs 0\.00 GiB and only 0\.00 GiB is free"):
+    with pytest.raises(DataError, match=r"p: no space left on the device for the prepared data \(it needs 0\.2 MiB, "
+                                          r"0\.0 MiB is free\)"):
         prepare(DataParams(), tmp_path / "p")
     assert not (tmp_path / "p").exists() and list(tmp_path.iterdir()) == []
 

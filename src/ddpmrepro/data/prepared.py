@@ -85,7 +85,7 @@ def prepare(params: DataParams, out_dir: str | Path, *, workers: int | None = No
         if not mask.any():
             raise DataError(f"{params.root}: the {split} split of {params.source} is empty; add data")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _check_free_space(out_dir.parent, len(labels), source.image_shape)
+    _check_free_space(out_dir, len(labels), source.image_shape)
 
     # Decode in the source's order, each image to its split's writer; then swap the result into place.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -118,13 +118,18 @@ def prepare(params: DataParams, out_dir: str | Path, *, workers: int | None = No
     return manifest
 
 
-def _check_free_space(parent: Path, n: int, image_shape: tuple[int, ...]) -> None:
-    """Refuses to start a prepare that cannot fit beside the previous output (kept until the swap)."""
+def _check_free_space(out_dir: Path, n: int, image_shape: tuple[int, ...]) -> None:
+    """Refuses, before decoding anything, a prepare that cannot fit beside the previous output (which is
+    kept until the swap): an hour of decoding should not end in a full disk."""
     need = n * (int(np.prod(image_shape)) + 8) + (64 << 10)
-    free = shutil.disk_usage(parent).free
+    free = shutil.disk_usage(out_dir.parent).free
     if need > free:
-        raise DataError(f"{parent}: the prepared data needs {need / 2**30:.2f} GiB and only {free / 2**30:.2f} GiB "
-                        f"is free; free some space or lower data.image_size")
+        raise DataError(f"{out_dir}: no space left on the device for the prepared data (it needs {_size(need)}, "
+                        f"{_size(free)} is free); free some space or write it elsewhere with --out")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def stratified_split(labels: np.ndarray, num_classes: int, test_fraction: float, seed: int,
