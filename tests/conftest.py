@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/fake_datasets.py and friends
 
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+# Verification stamps of prepared data (ddpmrepro.data.verify) go to a throwaway cache, not ~/.cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ddpmrepro-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 # Temp git repos in the end-to-end tests need an identity even on a bare CI machine.
 for key, value in {"GIT_AUTHOR_NAME": "ddpmrepro tests", "GIT_AUTHOR_EMAIL": "tests@ddpmrepro.invalid",
                    "GIT_COMMITTER_NAME": "ddpmrepro tests", "GIT_COMMITTER_EMAIL": "tests@ddpmrepro.invalid"}.items():

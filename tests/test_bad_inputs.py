@@ -9,7 +9,6 @@ without touching this file.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import pickle
@@ -128,7 +127,7 @@ PARAMS_CASES = list(_params_cases())
 def outputs(tmp_path, monkeypatch) -> Path:
     """A working directory holding an earlier output of every stage."""
     monkeypatch.chdir(tmp_path)
-    for rel in ("data/train.npz", "data/manifest.json", "evaluator/model.safetensors", "model/model.safetensors",
+    for rel in ("data/train-00000.images.npy", "data/manifest.json", "evaluator/model.safetensors", "model/model.safetensors",
                 "model/config.json", "live/metrics.json", "introspect/steps.tsv", "ckpt/a/b/step_000000001.pt",
                 "samples/samples.npz", "metrics.json", "figures/loss.png"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -187,52 +186,64 @@ TINY = {
 }
 
 
-def _rewrite_npz(path: Path, **arrays) -> None:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    path.write_bytes(buf.getvalue())
-
-
 def _set_manifest(d: Path, **changes) -> None:
+    """Rewrites manifest.json with `changes` and checksums that match the files as they are now."""
+    from ddpmrepro.data.shards import split_digest
+
     m = json.loads((d / "manifest.json").read_text())
     m.update(changes)
-    m["files"] = {name: sha256_file(d / name) for name in ("train.npz", "test.npz")}  # consistent checksums
+    m["files"] = {name: sha256_file(d / name) for name in m["files"]}
+    for entry in m["splits"].values():
+        entry["sha256"] = split_digest(entry["shards"], m["files"])
     (d / "manifest.json").write_text(json.dumps(m))
 
 
 def _truncate(d: Path):
-    blob = (d / "train.npz").read_bytes()
-    (d / "train.npz").write_bytes(blob[: len(blob) // 2])
+    blob = (d / "train-00000.images.npy").read_bytes()
+    (d / "train-00000.images.npy").write_bytes(blob[: len(blob) // 2])
 
 
 def _flip_a_bit(d: Path):
-    blob = bytearray((d / "test.npz").read_bytes())
+    blob = bytearray((d / "test-00000.images.npy").read_bytes())
     blob[len(blob) // 2] ^= 1
-    (d / "test.npz").write_bytes(bytes(blob))
+    (d / "test-00000.images.npy").write_bytes(bytes(blob))
 
 
 def _garbage_with_matching_checksum(d: Path):
-    (d / "train.npz").write_bytes(b"PK\x03\x04 not a zip at all")
+    (d / "train-00000.images.npy").write_bytes(b"\x93NUMPY not an array at all")
     _set_manifest(d)
 
 
 def _empty(d: Path):
     """A well-formed prepared directory with no training images."""
-    with np.load(d / "train.npz") as z:
-        shape = z["images"].shape[1:]
-    _rewrite_npz(d / "train.npz", images=np.zeros((0, *shape), np.uint8), labels=np.zeros(0, np.int64))
+    shape = np.load(d / "train-00000.images.npy", mmap_mode="r").shape[1:]
+    np.save(d / "train-00000.images.npy", np.zeros((0, *shape), np.uint8))
+    np.save(d / "train-00000.labels.npy", np.zeros(0, np.int64))
     m = json.loads((d / "manifest.json").read_text())
-    _set_manifest(d, counts={**m["counts"], "train": [0] * m["num_classes"]})
+    m["splits"]["train"]["shards"][0]["count"] = m["splits"]["train"]["count"] = 0
+    _set_manifest(d, counts={**m["counts"], "train": [0] * m["num_classes"]}, splits=m["splits"])
+
+
+def _format_1(d: Path):
+    """What the previous version of prepare wrote: train.npz, test.npz and a version-1 manifest."""
+    for f in d.iterdir():
+        f.unlink()
+    for split in ("train", "test"):
+        np.savez(d / f"{split}.npz", images=np.zeros((4, 1, 8, 8), np.uint8), labels=np.zeros(4, np.int64))
+    (d / "manifest.json").write_text(json.dumps({"format_version": 1, "files": {}}))
 
 
 DATA_CASES = {
     "missing": (lambda d: shutil.rmtree(d), "manifest.json: not found"),
     "empty-directory": (lambda d: [f.unlink() for f in d.iterdir()], "manifest.json: not found"),
-    "empty-split": (_empty, "train.npz: the train split is empty"),
+    "empty-split": (_empty, "the train split is empty"),
     "manifest-not-json": (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json: unreadable"),
-    "truncated-npz": (_truncate, "train.npz: sha256 does not match manifest.json"),
-    "flipped-bit": (_flip_a_bit, "test.npz: sha256 does not match manifest.json"),
-    "not-an-npz": (_garbage_with_matching_checksum, "train.npz: not a prepared npz"),
+    "missing-shard": (lambda d: (d / "train-00000.labels.npy").unlink(), "train-00000.labels.npy: not found"),
+    "truncated-shard": (_truncate, "train-00000.images.npy: sha256 does not match manifest.json"),
+    "flipped-bit": (_flip_a_bit, "test-00000.images.npy: sha256 does not match manifest.json"),
+    "not-an-npy": (_garbage_with_matching_checksum, "train-00000.images.npy: not a prepared shard"),
+    "format-1": (_format_1, "format version 1 (train.npz, test.npz), which this code no longer reads; run "
+                            "`ddpmrepro prepare`"),
 }
 
 
@@ -255,6 +266,39 @@ def test_an_empty_dataset_source_is_one_line_and_keeps_the_prepared_data(outputs
     (outputs / "params.yaml").write_text(yaml.safe_dump({"data": {"source": "image_folder", "root": "raw"}}))
     before = snapshot(outputs)
     assert_one_line_error(cli("prepare", "--params", "params.yaml", *STAGE_ARGS["prepare"]), 1, "raw: no class sub-folders")
+    assert snapshot(outputs) == before
+
+
+def test_a_gzip_with_a_corrupt_deflate_stream_is_one_line_naming_it(outputs):
+    """A downloaded MNIST .gz damaged inside its compressed data (zlib.error, not an OSError)."""
+    from fake_datasets import fake_mnist
+
+    fake_mnist(outputs / "raw", "MNIST", n_train=20, n_test=10, gz_only=True)
+    gz = outputs / "raw" / "MNIST" / "raw" / "train-images-idx3-ubyte.gz"
+    blob = bytearray(gz.read_bytes())
+    start = blob.index(b"\0", 10) + 1 if blob[3] & 0x08 else 10  # after the header (and the stored file name)
+    blob[start] = 0xFF  # the first deflate block header: final block of the reserved type 3
+    gz.write_bytes(bytes(blob))
+    (outputs / "params.yaml").write_text(yaml.safe_dump({"data": {"source": "mnist", "root": "raw", "image_size": 28}}))
+    before = snapshot(outputs)
+    line = assert_one_line_error(cli("prepare", "--params", "params.yaml", *STAGE_ARGS["prepare"]), 1,
+                                 "raw/MNIST/raw/train-images-idx3-ubyte.gz: not a valid gzip file",
+                                 "delete it and download it again")
+    assert "invalid block type" in line
+    assert snapshot(outputs) == before
+
+
+def test_a_file_that_is_not_an_image_is_named_and_said_so(outputs):
+    """Not Pillow's `cannot identify image file <_io.BytesIO object at 0x...>`."""
+    from fake_datasets import fake_image_folder
+
+    fake_image_folder(outputs / "raw", classes=("a", "b"), per_class=3, size=(8, 8))
+    (outputs / "raw" / "b" / "001.png").write_text("a text file saved with the wrong extension\n")
+    (outputs / "params.yaml").write_text(yaml.safe_dump({"data": {"source": "image_folder", "root": "raw"}}))
+    before = snapshot(outputs)
+    line = assert_one_line_error(cli("prepare", "--params", "params.yaml", *STAGE_ARGS["prepare"]), 1,
+                                 "raw/b/001.png: not an image file", "remove it or replace it with an image")
+    assert "0x" not in line and "BytesIO" not in line and "object" not in line
     assert snapshot(outputs) == before
 
 
@@ -509,4 +553,5 @@ def test_a_write_that_fails_midway_is_one_line_naming_the_file(trainable):
     (proc,) = run_with_tmpfs(trainable, trainable / "full", "size=16k", [cmd])
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr
     (line,) = proc.stderr.splitlines()
-    assert line == "Error: No space left on device while writing --out full/prepared", line
+    # prepare estimates its output and refuses before decoding anything (ddpmrepro.data.prepared).
+    assert line.startswith("Error: full/prepared: no space left on the device for the prepared data (it needs "), line

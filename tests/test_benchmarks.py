@@ -247,3 +247,26 @@ def test_serial_pieces_script_times_every_piece():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if " ms  " in ln]
     assert len(lines) == 9 and all(float(ln.split()[0]) > 0 for ln in lines[:8])  # the 9th is a difference
+
+
+def test_data_scale_benchmark_measures_every_stage_and_writes_its_json(tmp_path):
+    out = tmp_path / "data_scale.json"
+    run("data_scale.py", "--root", str(tmp_path / "ds"), "--sizes", "300", "--batch", "8", "--train-steps", "2",
+        "--pair-steps", "1", "--rounds", "1", "--threads", "1", "--test-fraction", "0.1", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["command"].startswith("PYTHONPATH=src python benchmarks/data_scale.py") and "--sizes 300" in r["command"]
+    (s,) = r["sizes"]
+    assert s["n"] == 300 and s["n_train"] == 270 and s["generate"]["reused"] is False
+    assert s["prepare"]["images_per_s"] > 0 and s["prepare"]["peak_rss_mb_main"] > 0 and s["prepare"]["shards"] == 2
+    load = s["load"]
+    assert load["cold"]["hashed_bytes"] == load["data_bytes"] > 270 * 3072  # no stamp: every shard hashed
+    assert load["warm"]["hashed_bytes"] == 0  # the cold run's stamps, read by another process
+    assert s["train"]["steps"] == 2 and s["train"]["peak_rss_mb"] > 0
+    st = s["step_time"]
+    for name, key in (("step_time", "step_s_median_per_round"), ("cpu_time", "main_thread_cpu_s_median_per_round")):
+        shards, memory = st[key]["shards"][0], st[key]["memory"][0]
+        assert shards > 0 and memory > 0 and st[f"{name}_ratio_per_round"] == [pytest.approx(shards / memory)]
+    assert len(st["reader_thread_cpu_s_per_run"]) == 1 and st["threads"] == 1
+    assert s["dvc"]["link_counts"] == [3]  # the benchmark's copy, the repo's workspace and DVC's cache: one inode
+    assert s["dvc"]["repo_bytes_on_disk"] < 1.5 * s["dvc"]["data_bytes"]
+    assert not (tmp_path / "ds" / "prepared-300").exists() and (tmp_path / "ds" / "raw-300" / ".complete").exists()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -15,15 +16,13 @@ import pytest
 import torch
 from PIL import Image
 
-from ddpmrepro.data import DataError, load_prepared, prepare, prepared, sources, to_model_range, to_uint8
+from ddpmrepro.data import DataError, load_prepared, prepare, prepared, shards, sources, to_model_range, to_uint8
 from ddpmrepro.params import DataParams
 from fake_datasets import CIFAR10_NAMES, fake_cifar10, fake_image_folder, fake_mnist, py2_pickle, write_idx
 
-FILES = ("train.npz", "test.npz", "manifest.json")
-
-
 def snapshot(d: Path) -> dict:
-    return {name: (d / name).read_bytes() for name in FILES}
+    """Every file of a prepared directory with its bytes."""
+    return {f.name: f.read_bytes() for f in sorted(d.iterdir())}
 
 
 def both_splits(out: Path):
@@ -110,9 +109,13 @@ def test_byte_identical_outputs(tmp_path, monkeypatch):
     prepare(DataParams(image_size=12, channels=3), a)  # over an existing output
     assert snapshot(a) == snapshot(b)
     prepare(DataParams(image_size=12, channels=3, split_seed=1), b)
-    assert snapshot(a)["test.npz"] != snapshot(b)["test.npz"]
-    with np.load(a / "train.npz") as z:  # still an ordinary npz
-        assert sorted(z.files) == ["images", "labels"]
+    assert snapshot(a)["test-00000.images.npy"] != snapshot(b)["test-00000.images.npy"]
+    # Plain .npy files: numpy reads them without us, and the manifest's checksums are theirs.
+    m = json.loads((a / "manifest.json").read_text())
+    assert sorted(m["files"]) == sorted(f.name for f in a.iterdir() if f.suffix == ".npy")
+    assert all(m["files"][f] == hashlib.sha256((a / f).read_bytes()).hexdigest() for f in m["files"])
+    x = np.load(a / "train-00000.images.npy")
+    assert x.dtype == np.uint8 and x.shape == (1438, 3, 12, 12) and m["format_version"] == 2
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.5, 0.9])
@@ -127,18 +130,18 @@ def test_stratified_split_keeps_every_class_in_both(fraction):
 
 
 def test_failure_midway_leaves_old_output(existing, monkeypatch):
-    real, calls = prepared.write_npz, []
+    real, calls = shards._NpyStream.close, []
 
-    def flaky(path, **arrays):
-        calls.append(path)
-        if len(calls) == 2:
+    def flaky(self):
+        calls.append(self.path.name)
+        if len(calls) == 3:
             raise OSError("disk full (simulated)")
-        real(path, **arrays)
+        return real(self)
 
-    monkeypatch.setattr(prepared, "write_npz", flaky)
+    monkeypatch.setattr(shards._NpyStream, "close", flaky)
     with pytest.raises(OSError, match="simulated"):
         prepare(DataParams(split_seed=7), existing)
-    assert len(calls) == 2  # it failed after train.npz was written
+    assert len(calls) == 3  # it failed after two shard files were complete
 
 
 def test_failure_in_swap_restores_old_output(existing, monkeypatch):
@@ -339,13 +342,14 @@ def test_image_folder_bad_inputs(existing, tmp_path):
     (raw / "c").mkdir()
     (raw / "c" / "notes.txt").write_text("not an image")
     fails(params, existing, r"raw/c: class folder has no images")
-    (raw / "c" / "000.png").write_bytes(b"this is not a png")
-    fails(params, existing, r"c/000\.png: cannot be read as an image")
     good = (raw / "a" / "000.png").read_bytes()
-    (raw / "c" / "000.png").write_bytes(good[: len(good) // 2])  # truncated
-    fails(params, existing, r"c/000\.png: cannot be read as an image")
     (raw / "c" / "000.png").write_bytes(good)
-    fails(params, existing, r"class 'c': has 1 image")
+    fails(params, existing, r"class 'c': has 1 image")  # checked before any image is decoded
+    (raw / "c" / "001.png").write_bytes(b"this is not a png")
+    msg = fails(params, existing, r"c/001\.png: not an image file")
+    assert " at 0x" not in msg and "BytesIO" not in msg
+    (raw / "c" / "001.png").write_bytes(good[: len(good) // 2])  # truncated
+    fails(params, existing, r"c/001\.png: cannot be read as an image \(image file is truncated")
     (raw / "c" / "001.png").write_bytes(good)
     fails(dataclasses.replace(params, image_size=64), existing, r"000\.png: 12x12 is too small")
     prepare(params, tmp_path / "ok")  # and now it is fine
@@ -387,10 +391,11 @@ def test_image_size_beyond_sensible(existing):
 def test_load_prepared_detects_tampering(tmp_path):
     out = tmp_path / "p"
     prepare(DataParams(), out)
-    blob = bytearray((out / "test.npz").read_bytes())
+    load_prepared(out)  # verified and stamped
+    blob = bytearray((out / "test-00000.labels.npy").read_bytes())
     blob[-10] ^= 1  # one bit inside the labels
-    (out / "test.npz").write_bytes(bytes(blob))
-    with pytest.raises(DataError, match=r"test\.npz: sha256 does not match manifest\.json"):
+    (out / "test-00000.labels.npy").write_bytes(bytes(blob))
+    with pytest.raises(DataError, match=r"test-00000\.labels\.npy: sha256 does not match manifest\.json"):
         load_prepared(out)
 
 
@@ -400,11 +405,11 @@ def test_load_prepared_checks_version_and_presence(tmp_path):
         load_prepared(out)
     prepare(DataParams(), out)
     manifest = json.loads((out / "manifest.json").read_text())
-    (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
-    with pytest.raises(DataError, match="format_version 2, this code reads 1"):
+    (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
+    with pytest.raises(DataError, match="format_version 3, this code reads 2"):
         load_prepared(out)
     (out / "manifest.json").write_text(json.dumps({**manifest, "counts": {"train": [0] * 10, "test": [0] * 10}}))
-    with pytest.raises(DataError, match="disagree with manifest.json"):
+    with pytest.raises(DataError, match="labels disagree with the counts in manifest.json"):
         load_prepared(out)
 
 

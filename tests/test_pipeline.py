@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,7 @@ def repo(tmp_path_factory) -> Path:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     run(repo, "git", "init", "-q", "-b", "main")
     run(repo, "dvc", "init", "-q")
+    shutil.copy2(ROOT / ".dvc" / "config", repo / ".dvc" / "config")  # the project's cache link types
     run(repo, "git", "add", "-A")
     run(repo, "git", "commit", "-qm", "tiny pipeline")
     return repo
@@ -80,6 +82,9 @@ def test_dvc_repro_builds_every_output(repo):
 
     manifest = json.loads((repo / "data/prepared/manifest.json").read_text())
     assert manifest["source"] == "digits" and manifest["num_classes"] == 10
+    # Outputs are hard links into DVC's cache (.dvc/config), not second copies: a big dataset is stored once.
+    for f in (repo / "data/prepared").iterdir():
+        assert f.stat().st_nlink == 2 and f.stat().st_mode & 0o222 == 0, f  # read-only: edits cannot reach the cache
     model_files = {p.name for p in (repo / "models/ddpm").iterdir()}
     assert {"model.safetensors", "ema_0.999.safetensors", "config.json"} <= model_files
     assert (repo / "samples/grid.png").stat().st_size > 0

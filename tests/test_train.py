@@ -726,9 +726,9 @@ if os.environ.get("RANK") == "1":
 def damaged_data(tmp_path: Path, prepared: Path) -> Path:
     data = tmp_path / "data"
     shutil.copytree(prepared, data)
-    blob = bytearray((data / "test.npz").read_bytes())
+    blob = bytearray((data / "test-00000.images.npy").read_bytes())
     blob[len(blob) // 2] ^= 1
-    (data / "test.npz").write_bytes(bytes(blob))
+    (data / "test-00000.images.npy").write_bytes(bytes(blob))
     return data
 
 
@@ -752,7 +752,7 @@ def test_a_user_error_in_the_workers_is_the_single_process_line_and_exit_code(tm
                                    "images; lower it"]) for n in (1, 2)}
     else:
         code, lines = results[1]
-        assert code == 1 and len(lines) == 1 and lines[0].startswith(f"Error: {data / 'test.npz'}: sha256 does not match")
+        assert code == 1 and len(lines) == 1 and lines[0].startswith(f"Error: {data / 'test-00000.images.npy'}: sha256 does not match")
         assert results[2] == results[1]  # word for word
 
 

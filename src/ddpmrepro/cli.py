@@ -152,19 +152,22 @@ def main(verbose: bool) -> None:
 @main.command()
 @PARAMS_OPTION
 @click.option("--out", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Image-folder decode processes [default: the CPUs this job may use]; never changes the output.")
 @user_errors
 @writes(out="dir")
-def prepare(params_path: Path, out: Path) -> None:
+def prepare(params_path: Path, out: Path, workers: int | None) -> None:
     """Turn the dataset into the versioned training format.
 
     \b
     Reads:  params `data.*`; the source files under data.root (none for digits).
-    Writes: OUT/train.npz, OUT/test.npz (uint8 images, int64 labels), OUT/manifest.json
-            (class names, counts, sha256 of each file, the data params used).
+    Writes: OUT/<split>-<k>.images.npy, OUT/<split>-<k>.labels.npy (shards of ~128 MiB of uint8
+            images and their int64 labels), OUT/manifest.json (class names, counts, sha256 of
+            each shard, the data params used).
     """
     from .data import prepare as run
 
-    manifest = run(_load_params(params_path).data, out)
+    manifest = run(_load_params(params_path).data, out, workers=workers)
     counts = manifest["counts"]
     click.echo(f"prepared {manifest['source']}: {sum(counts['train'])} train / {sum(counts['test'])} test images, "
                f"{manifest['num_classes']} classes -> {out}")

@@ -164,6 +164,8 @@ def fit_evaluator(
 def _fit(train_images, train_labels, test_images, test_labels, params: EvaluatorParams, out_dir: Path, *,
          num_classes: int, class_names: list[str]) -> dict:
     out_dir = Path(out_dir)
+    # A split of several prepared shards (a ShardedArray) is read whole: the fit holds every image anyway.
+    train_images, test_images = np.asarray(train_images), np.asarray(test_images)
     train_labels, test_labels = np.asarray(train_labels, np.int64), np.asarray(test_labels, np.int64)
     _check_images(train_images, train_labels, num_classes, "train")
     _check_images(test_images, test_labels, num_classes, "test")
@@ -266,7 +268,7 @@ class Evaluator:
 
     @torch.inference_mode()
     def _run(self, images: np.ndarray | torch.Tensor, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        x = torch.as_tensor(images)
+        x = torch.as_tensor(images if isinstance(images, torch.Tensor) else np.asarray(images))  # ShardedArray too
         if x.dtype != torch.uint8 or x.ndim != 4 or tuple(x.shape[1:]) != self.image_shape:
             raise ValueError(f"expected uint8 images (N, {', '.join(map(str, self.image_shape))}), "
                              f"got {x.dtype} {tuple(x.shape)}")

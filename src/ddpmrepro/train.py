@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
 
 from . import checkpoint as ckpt
 from . import distributed as D
 from . import introspect
 from .data import load_prepared, to_model_range
+from .data.loader import TrainBatches
 from .diffusion import from_params as diffusion_from_params
 from .ema import EmaUpdater, ema_decay, init_ema
 from .params import Params, ParamsError
@@ -183,17 +183,16 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     rank, world = D.rank(), D.world_size()
     main = D.is_main()
 
-    # Data: the prepared arrays, verified against the manifest, held in memory.
+    # Data: every shard verified against the manifest; images stay on disk (read row by row), labels in memory.
     data = load_prepared(paths.data_dir)
     manifest = data.manifest
-    images = torch.as_tensor(data.train_images)  # (N, C, H, W) uint8
     labels = torch.as_tensor(data.train_labels, dtype=torch.long)
     num_classes = manifest["num_classes"]
     hflip = bool(manifest.get("hflip_ok", False))
-    # Refused here, before anything is written. DistributedSampler(drop_last) gives each rank N // W.
-    if len(images) // world < p.batch_per_proc:
+    # Refused here, before anything is written. The data order (drop_last) gives each rank N // W.
+    if len(labels) // world < p.batch_per_proc:
         raise ParamsError(f"train.batch_per_proc={p.batch_per_proc} is larger than this rank's "
-                          f"{len(images) // world} training images; lower it")
+                          f"{len(labels) // world} training images; lower it")
 
     # Model, diffusion, optimizer, EMA, timestep sampler.
     torch.manual_seed(p.seed)  # identical initial weights on every rank
@@ -225,7 +224,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
 
     # Resume from the newest checkpoint of this exact run: checkpoints/<params+data>/<code>/.
     # Other code never touches that directory, so no finished checkpoint is ever overwritten.
-    run_id = run_hash(params, manifest["files"]["train.npz"])
+    run_id = run_hash(params, manifest["splits"]["train"]["sha256"])
     version = code_version()
     ckpt_dir = paths.checkpoint_root / run_id / version
     if not restart:
@@ -272,21 +271,15 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             while pending_updates:
                 pending_updates.pop(0).apply_to(sampler)
 
-        # Data order: DistributedSampler shards a per-epoch permutation of (seed, epoch) over ranks.
-        order = DistributedSampler(range(len(images)), num_replicas=world, rank=rank, shuffle=True,
-                                   seed=p.seed, drop_last=True)
-        batches_per_epoch = len(order) // p.batch_per_proc
-        epoch_indices: dict[int, list[int]] = {}
+        # Data order: a per-epoch permutation of (seed, epoch) sharded over ranks (DistributedSampler's),
+        # rows read ahead in a background thread.
+        batches = TrainBatches(data.train_images, batch_size=p.batch_per_proc, world=world, rank=rank, seed=p.seed,
+                               device=device)
 
         def microbatch(global_micro: int):
             """This rank's examples of a microbatch and their own random draws."""
-            epoch, pos = divmod(global_micro, batches_per_epoch)
-            if epoch not in epoch_indices:
-                order.set_epoch(epoch)
-                epoch_indices.clear()
-                epoch_indices[epoch] = list(order)
-            idx = torch.tensor(epoch_indices[epoch][pos * p.batch_per_proc:(pos + 1) * p.batch_per_proc])
-            x0 = to_model_range(images[idx])  # (B, C, H, W) in [-1, 1]
+            idx, rows = batches.get(global_micro)
+            x0 = to_model_range(rows)  # (B, C, H, W) in [-1, 1]
             # DistributedSampler gives rank r the examples r, r + W, r + 2W, ... of the global batch.
             u, noise = example_draws([step_seed(p.seed, global_micro, rank + world * i, 1) for i in range(len(idx))],
                                      x0.shape[1:])
@@ -327,7 +320,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         summary: dict = {}
 
         ip = params.introspect
-        with StopRequest() as stop, act_rec:
+        with StopRequest() as stop, act_rec, batches:
             for step in range(start_step, p.steps):
                 done = step + 1  # updates completed after this one: the step number of logs, tables, checkpoints
                 # Dropout masks of this step come from (seed, step, rank).

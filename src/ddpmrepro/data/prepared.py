@@ -1,38 +1,55 @@
-"""The prepared format (version 1): writing it byte-deterministically and atomically, reading it back
-with checksum verification, and converting between uint8 images and the model's [-1, 1] range.
+"""The prepared format (version 2): written by streaming shards, read back as verified memory maps.
+
+`prepare` turns a `Source` into `<split>-<k>.{images,labels}.npy` shards (see `shards.py`) and
+`manifest.json`, never holding more than a few chunks of images: the images arrive in the source's
+order and each goes to the writer of its split. The same inputs and params give the same bytes,
+whatever the number of decode workers. Everything is written into a temporary sibling directory
+that replaces the output only once complete, so a failure leaves the previous output untouched.
+
+`load_prepared` checks the manifest, the sha256 of every shard (cheap on reruns: see `verify.py`)
+and the arrays' shapes and label counts, then returns the images as memory maps: a split is read
+only where it is used.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
 import shutil
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from ddpmrepro.data.sources import HFLIP_OK, READERS, DataError, Raw
+from ddpmrepro.data import shards
+from ddpmrepro.data import sources
+from ddpmrepro.data.image_folder import default_workers, read_image_folder
+from ddpmrepro.data.sources import HFLIP_OK, DataError, Source
+from ddpmrepro.data.verify import Verifier
 from ddpmrepro.params import DataParams
-from ddpmrepro.checkpoint import sha256_file
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READERS = {
+    "digits": sources.read_digits,
+    "mnist5k": sources.read_mnist5k,
+    "mnist": sources.read_mnist_family,
+    "fashion_mnist": sources.read_mnist_family,
+    "cifar10": sources.read_cifar10,
+    "image_folder": read_image_folder,
+}
 SPLITS = ("train", "test")
-_ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # the earliest date a zip can hold; fixed so the bytes never change
+FIX = "run `ddpmrepro prepare` (or `dvc repro prepare`) again"
 
 
 @dataclass(frozen=True)
 class Prepared:
-    train_images: np.ndarray  # (N, C, H, W) uint8
-    train_labels: np.ndarray  # (N,) int64
+    train_images: np.ndarray  # (N, C, H, W) uint8: a memory map, or a ShardedArray of several
+    train_labels: np.ndarray  # (N,) int64, in memory
     test_images: np.ndarray
     test_labels: np.ndarray
     manifest: dict
@@ -49,45 +66,70 @@ class Prepared:
 # --- prepare -----------------------------------------------------------------------------------
 
 
-def prepare(params: DataParams, out_dir: str | Path) -> dict:
-    """Reads `params.source`, writes `out_dir/{train,test}.npz` and `manifest.json`; returns the manifest.
-
-    The same inputs and params give byte-identical files. Everything is built in a temporary sibling
-    directory that replaces `out_dir` only once complete, so a failure leaves an existing output untouched.
+def prepare(params: DataParams, out_dir: str | Path, *, workers: int | None = None) -> dict:
+    """Reads `params.source`, writes the shards of both splits and `manifest.json` into `out_dir`;
+    returns the manifest. `workers`: image-folder decode processes (default: the CPUs this process
+    may use); it never changes the output.
     """
     out_dir = Path(out_dir)
-    # Read and preprocess.
-    raw = READERS[params.source](params)
-    if len(raw.labels) == 0:
+    workers = default_workers() if workers is None else workers
+    # What goes where: labels and the split are known before any image is decoded.
+    source = READERS[params.source](params)
+    labels = source.labels
+    if len(labels) == 0:
         raise DataError(f"{params.root}: the {params.source} dataset is empty; add data or fix data.root")
-    is_test = raw.is_test if raw.is_test is not None else stratified_split(
-        raw.labels, len(raw.class_names), params.test_fraction, params.split_seed, raw.class_names)
-    k = len(raw.class_names)
-    splits = {"train": np.flatnonzero(~is_test), "test": np.flatnonzero(is_test)}
-    for split, idx in splits.items():
-        if len(idx) == 0:
+    k = len(source.class_names)
+    is_test = source.is_test if source.is_test is not None else stratified_split(
+        labels, k, params.test_fraction, params.split_seed, source.class_names)
+    for split, mask in (("train", ~is_test), ("test", is_test)):
+        if not mask.any():
             raise DataError(f"{params.root}: the {split} split of {params.source} is empty; add data")
-
-    # Write into a temporary sibling, then swap it into place.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _check_free_space(out_dir, len(labels), source.image_shape)
+
+    # Decode in the source's order, each image to its split's writer; then swap the result into place.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    files: dict[str, str] = {}
+    n_test = int(is_test.sum())
+    writers = {"train": shards.SplitWriter(tmp, "train", len(labels) - n_test, source.image_shape, files),
+               "test": shards.SplitWriter(tmp, "test", n_test, source.image_shape, files)}
     try:
-        files = {}
-        for split, idx in splits.items():
-            name = f"{split}.npz"
-            write_npz(tmp / name, images=raw.images[idx], labels=raw.labels[idx])
-            files[name] = sha256_file(tmp / name)
-        manifest = _manifest(params, raw, files, {s: np.bincount(raw.labels[i], minlength=k).tolist()
-                                                   for s, i in splits.items()},
-                             "official" if raw.is_test is not None else "stratified")
+        start = 0
+        for chunk in source.images(workers):
+            mask, y = is_test[start:start + len(chunk)], labels[start:start + len(chunk)]
+            writers["train"].write(chunk[~mask], y[~mask])
+            writers["test"].write(chunk[mask], y[mask])
+            start += len(chunk)
+        splits = {name: w.close() for name, w in writers.items()}
+        counts = {"train": np.bincount(labels[~is_test], minlength=k).tolist(),
+                  "test": np.bincount(labels[is_test], minlength=k).tolist()}
+        manifest = _manifest(params, source, files, splits, counts,
+                             "official" if source.is_test is not None else "stratified")
         _write_bytes(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
         _swap_into_place(tmp, out_dir)
     except BaseException:
+        for w in writers.values():
+            w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("prepared %s: %d train / %d test images of %dx%dx%d in %s", params.source, len(splits["train"]),
-             len(splits["test"]), params.channels, params.image_size, params.image_size, out_dir)
+    log.info("prepared %s: %d train / %d test images of %dx%dx%d in %s (%d shards)", params.source,
+             splits["train"]["count"], splits["test"]["count"], *source.image_shape, out_dir,
+             sum(len(s["shards"]) for s in splits.values()))
     return manifest
+
+
+def _check_free_space(out_dir: Path, n: int, image_shape: tuple[int, ...]) -> None:
+    """Refuses, before decoding anything, a prepare that cannot fit beside the previous output (which is
+    kept until the swap): an hour of decoding should not end in a full disk."""
+    need = n * (int(np.prod(image_shape)) + 8) + (64 << 10)
+    free = shutil.disk_usage(out_dir.parent).free
+    if need > free:
+        raise DataError(f"{out_dir}: no space left on the device for the prepared data (it needs {_size(need)}, "
+                        f"{_size(free)} is free); free some space or write it elsewhere with --out")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def stratified_split(labels: np.ndarray, num_classes: int, test_fraction: float, seed: int,
@@ -104,34 +146,31 @@ def stratified_split(labels: np.ndarray, num_classes: int, test_fraction: float,
             raise DataError(f"class {class_names[c]!r}: has {len(idx)} image(s); a stratified split needs at "
                             f"least 2 per class, add images to it")
         n_test = min(max(int(np.floor(test_fraction * len(idx) + 0.5)), 1), len(idx) - 1)
-        keys = [hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest() for i in idx]
-        order = sorted(range(len(idx)), key=keys.__getitem__)
-        is_test[idx[order[:n_test]]] = True
+        keys = np.fromiter((int.from_bytes(hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest(), "big")
+                            for i in idx), np.uint64, len(idx))  # 8 bytes per image, not a list of bytes objects
+        is_test[idx[np.argsort(keys, kind="stable")[:n_test]]] = True
     return is_test
 
 
-def _manifest(params: DataParams, raw: Raw, files: dict, counts: dict, split: str) -> dict:
-    digest = hashlib.sha256()
-    for rel, sha in sorted(raw.inputs):
-        digest.update(f"{rel}\0{sha}\n".encode())
-    inputs = {"origin": raw.origin, "num_files": len(raw.inputs), "sha256": digest.hexdigest()}
-    if len(raw.inputs) <= 16:
-        inputs["files"] = dict(sorted(raw.inputs))
-    if raw.md5_official is not None:
-        inputs["md5_official"] = raw.md5_official
-    resized = raw.native_size != params.image_size
+def _manifest(params: DataParams, source: Source, files: dict, splits: dict, counts: dict, split: str) -> dict:
+    inputs = source.inputs.manifest()
+    if source.md5_official is not None:
+        inputs["md5_official"] = source.md5_official
+    resized = source.native_size != params.image_size
     return {
         "format_version": FORMAT_VERSION,
         "source": params.source,
-        "class_names": list(raw.class_names),
-        "num_classes": len(raw.class_names),
+        "class_names": list(source.class_names),
+        "num_classes": len(source.class_names),
         "image_size": params.image_size,
         "channels": params.channels,
         "hflip_ok": HFLIP_OK[params.source],
         "split": split,
         "counts": counts,
-        "files": files,
-        "preprocess": {"native_size": raw.native_size,
+        "shard_size": shards.shard_size(source.image_shape),
+        "splits": splits,
+        "files": dict(sorted(files.items())),
+        "preprocess": {"native_size": source.native_size,
                        "resize": "PIL LANCZOS, shorter side + centre crop" if resized else None},
         "inputs": inputs,
         "params": dataclasses.asdict(params),
@@ -139,20 +178,6 @@ def _manifest(params: DataParams, raw: Raw, files: dict, counts: dict, split: st
 
 
 # --- deterministic, atomic files ----------------------------------------------------------------
-
-
-def write_npz(path: Path, **arrays: np.ndarray) -> None:
-    """Like np.savez (uncompressed, readable by np.load) but with fixed zip metadata: same arrays, same bytes."""
-    with open(path, "wb") as f:
-        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
-            for name, arr in arrays.items():
-                buf = io.BytesIO()
-                np.lib.format.write_array(buf, np.ascontiguousarray(arr), allow_pickle=False)
-                info = zipfile.ZipInfo(f"{name}.npy", date_time=_ZIP_EPOCH)
-                info.create_system, info.external_attr = 3, 0o644 << 16  # unix, rw-r--r--
-                zf.writestr(info, buf.getvalue(), compress_type=zipfile.ZIP_STORED)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -189,65 +214,94 @@ def _swap_into_place(tmp: Path, out_dir: Path) -> None:
 # --- load_prepared --------------------------------------------------------------------------------
 
 
-def load_prepared(directory: str | Path) -> Prepared:
-    """Reads a prepared directory after checking its format version and the sha256 of each file."""
+def load_prepared(directory: str | Path, *, verifier: Verifier | None = None) -> Prepared:
+    """Reads a prepared directory after checking its format version, the sha256 of every shard
+    (skipped for files a stamp vouches for, see `verify.py`), and the arrays against the manifest."""
     directory = Path(directory)
-    fix = "run `ddpmrepro prepare` (or `dvc repro prepare`) again"
+    manifest = read_manifest(directory)
+    splits = manifest["splits"]
+    names = [name for split in SPLITS for shard in splits[split]["shards"] for name in (shard["images"], shard["labels"])]
+    for name in names:
+        if not (directory / name).is_file():
+            raise DataError(f"{directory / name}: not found (the prepared data is incomplete); {FIX}")
+    expected = {directory / name: manifest["files"].get(name) for name in names}
+    bad = (verifier or Verifier()).verify(expected)
+    if bad:
+        raise DataError(f"{bad[0]}: sha256 does not match manifest.json (modified or incomplete); {FIX} "
+                        f"or `dvc checkout {directory}`")
+    arrays = {split: _open_split(directory, manifest, split) for split in SPLITS}
+    return Prepared(*arrays["train"], *arrays["test"], manifest)
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a format-2 directory; anything else is refused in one line saying what to run."""
     mpath = directory / "manifest.json"
     try:
         manifest = json.loads(mpath.read_text())
     except FileNotFoundError:
-        raise DataError(f"{mpath}: not found; {fix}") from None
+        raise DataError(f"{mpath}: not found; {FIX}") from None
     except (OSError, ValueError) as e:
-        raise DataError(f"{mpath}: unreadable ({e}); {fix}") from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        version = manifest.get("format_version") if isinstance(manifest, dict) else None
-        raise DataError(f"{mpath}: format_version {version!r}, this code reads {FORMAT_VERSION}; {fix}")
-    arrays = {}
-    for split in SPLITS:
-        path = directory / f"{split}.npz"
-        try:
-            blob = path.read_bytes()
-        except OSError as e:
-            raise DataError(f"{path}: cannot be read ({e.strerror or e}); {fix}") from None
-        expected = manifest.get("files", {}).get(path.name)
-        if hashlib.sha256(blob).hexdigest() != expected:
-            raise DataError(f"{path}: sha256 does not match manifest.json (modified or incomplete); {fix} "
-                            f"or `dvc checkout {directory}`")
-        arrays[split] = _check_arrays(blob, path, manifest, split, fix)
-        if len(arrays[split][1]) == 0:  # `prepare` refuses to write one, so this is damage
-            raise DataError(f"{path}: the {split} split is empty; {fix}")
-    return Prepared(*arrays["train"], *arrays["test"], manifest)
-
-
-def _check_arrays(blob: bytes, path: Path, manifest: dict, split: str, fix: str) -> tuple[np.ndarray, np.ndarray]:
+        raise DataError(f"{mpath}: unreadable ({e}); {FIX}") from None
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version == 1 or (directory / "train.npz").exists():
+        raise DataError(f"{directory}: prepared data in format version 1 (train.npz, test.npz), which this code no "
+                        f"longer reads; {FIX} to write format {FORMAT_VERSION} (shards)")
+    if version != FORMAT_VERSION:
+        raise DataError(f"{mpath}: format_version {version!r}, this code reads {FORMAT_VERSION}; {FIX}")
     try:
-        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-            images, labels = z["images"], z["labels"]
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
-        raise DataError(f"{path}: not a prepared npz with 'images' and 'labels' ({e}); {fix}") from None
+        for split in SPLITS:
+            entry = manifest["splits"][split]
+            if shards.split_digest(entry["shards"], manifest["files"]) != entry["sha256"]:
+                raise ValueError(f"the {split} split's sha256 does not match its shards")
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{mpath}: not a prepared manifest ({_describe(e)}); {FIX}") from None
+    return manifest
+
+
+def _describe(e: Exception) -> str:
+    return f"no key {e}" if isinstance(e, KeyError) else str(e)
+
+
+def _open_split(directory: Path, manifest: dict, split: str):
+    """(images as one array-like, labels in memory), each shard checked against the manifest."""
     c, s, k = manifest["channels"], manifest["image_size"], manifest["num_classes"]
-    ok = (images.dtype == np.uint8 and images.ndim == 4 and images.shape[1:] == (c, s, s)
-          and labels.dtype == np.int64 and labels.shape == (len(images),)
-          and (len(labels) == 0 or 0 <= labels.min() <= labels.max() < k)
-          and np.bincount(labels, minlength=k).tolist() == manifest["counts"][split])
-    if not ok:
-        raise DataError(f"{path}: arrays {images.dtype}{images.shape}/{labels.dtype}{labels.shape} disagree with "
-                        f"manifest.json; {fix}")
-    return images, labels
+    images, labels = [], []
+    for shard in manifest["splits"][split]["shards"]:
+        path = directory / shard["images"]
+        try:
+            x = shards.open_npy(path)
+            y = np.load(directory / shard["labels"], allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: not a prepared shard ({e}); {FIX}") from None
+        if not (x.dtype == np.uint8 and x.shape == (shard["count"], c, s, s)
+                and y.dtype == np.int64 and y.shape == (shard["count"],)):
+            raise DataError(f"{path}: arrays {x.dtype}{x.shape}/{y.dtype}{y.shape} disagree with manifest.json; {FIX}")
+        images.append(x)
+        labels.append(y)
+    y = np.concatenate(labels) if labels else np.zeros(0, np.int64)
+    if len(y) == 0:  # `prepare` refuses to write one, so this is damage
+        raise DataError(f"{directory}: the {split} split is empty; {FIX}")
+    if not (0 <= y.min() <= y.max() < k and np.bincount(y, minlength=k).tolist() == manifest["counts"][split]):
+        raise DataError(f"{directory / manifest['splits'][split]['shards'][0]['labels']}: labels disagree with the "
+                        f"counts in manifest.json; {FIX}")
+    return shards.concat(images), y
 
 
 # --- model range ---------------------------------------------------------------------------------
 
 
-def to_model_range(images: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """uint8 images (any shape) -> float32 tensor in [-1, 1], as the model sees them."""
+def to_model_range(images):
+    """uint8 images (any shape; numpy or torch) -> float32 tensor in [-1, 1], as the model sees them."""
+    import torch  # not at import time: decode workers import this package and never need torch
+
     x = torch.from_numpy(np.asarray(images)) if not isinstance(images, torch.Tensor) else images
     if x.dtype != torch.uint8:
         raise TypeError(f"to_model_range expects uint8 images, got {x.dtype}")
     return x.float() / 127.5 - 1
 
 
-def to_uint8(x: torch.Tensor) -> torch.Tensor:
+def to_uint8(x):
     """Tensor in [-1, 1] -> uint8 (rounded, clamped): the inverse of `to_model_range`."""
+    import torch
+
     return ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)

