@@ -14,10 +14,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = {  # the modules each stage's command runs (always through the CLI)
     "prepare": ["ddpmrepro.cli", "ddpmrepro.data"],
-    "fit_evaluator": ["ddpmrepro.cli", "ddpmrepro.evaluator", "ddpmrepro.data"],
-    "train": ["ddpmrepro.cli", "ddpmrepro.train", "ddpmrepro.launch", "ddpmrepro.gpu_slots"],
-    "sample": ["ddpmrepro.cli", "ddpmrepro.sample", "ddpmrepro.launch", "ddpmrepro.gpu_slots"],
-    "evaluate": ["ddpmrepro.cli", "ddpmrepro.evaluate"],
+    "fit_evaluator": ["ddpmrepro.cli", "ddpmrepro.evaluator", "ddpmrepro.data", "ddpmrepro.cpu_slots"],
+    "train": ["ddpmrepro.cli", "ddpmrepro.train", "ddpmrepro.launch", "ddpmrepro.gpu_slots", "ddpmrepro.cpu_slots"],
+    "sample": ["ddpmrepro.cli", "ddpmrepro.sample", "ddpmrepro.launch", "ddpmrepro.gpu_slots", "ddpmrepro.cpu_slots"],
+    "evaluate": ["ddpmrepro.cli", "ddpmrepro.evaluate", "ddpmrepro.cpu_slots"],
     "report": ["ddpmrepro.cli", "ddpmrepro.report"],
 }
 

@@ -100,6 +100,7 @@ def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
 
     params = _load_params(params_path)
     d = load_prepared(data_dir)
+    _claim_cpus()
     m = run(d.train_images, d.train_labels, d.test_images, d.test_labels, params.evaluator, out,
             num_classes=d.manifest["num_classes"], class_names=d.manifest["class_names"])
     click.echo(f"evaluator test accuracy {m['test_accuracy']:.4f} -> {out}")
@@ -161,9 +162,17 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
         click.echo(f"trained {summary['step']} steps, final loss {summary['loss']:.4f} -> {out}")
 
 
+def _claim_cpus(nproc: int = 1) -> None:
+    """Runs torch on this job's share of the cores, waiting while concurrent jobs hold them (cpu_slots)."""
+    from . import cpu_slots
+
+    cpu_slots.claim(nproc)
+
+
 def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: bool = True) -> None:
     """On GPUs: fails when nproc is more than the visible GPUs, and (claim) takes GPUs that no
-    concurrent ddpmrepro job on this machine uses (gpu_slots narrows CUDA_VISIBLE_DEVICES)."""
+    concurrent ddpmrepro job on this machine uses (gpu_slots narrows CUDA_VISIBLE_DEVICES).
+    On CPU: (claim) takes this job's cores (cpu_slots)."""
     import torch
 
     from . import gpu_slots
@@ -172,6 +181,8 @@ def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: 
     # so the CUDA_VISIBLE_DEVICES set by gpu_slots still applies to a run in this very process.
     have = torch.cuda.device_count()
     if device == "cpu" or (device == "auto" and have == 0):
+        if claim:
+            _claim_cpus(nproc)
         return
     if nproc > have:
         raise click.ClickException(f"{key}={nproc} processes need {nproc} GPUs but {have} are visible; "
@@ -231,7 +242,9 @@ def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir
     """
     from .evaluate import evaluate as run
 
-    metrics = run(_load_params(params_path), samples_dir, data_dir, evaluator_dir, model_dir, out)
+    params = _load_params(params_path)
+    _claim_cpus()
+    metrics = run(params, samples_dir, data_dir, evaluator_dir, model_dir, out)
     click.echo(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()
                         if k in ("class_accuracy", "fid", "recall", "bpd", "evaluator_test_accuracy")))
 
