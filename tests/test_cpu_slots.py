@@ -113,7 +113,7 @@ def test_timeout_names_the_busy_cores_and_their_holder(env, jobs):
     a.got()
     b = jobs({**env, "OMP_NUM_THREADS": "1"}, timeout=0.3)
     line = b.wait_for("ERROR")
-    assert f"0 (pid {a.proc.pid})" in line and "no 1 free CPU core(s)" in line
+    assert f"{CORES[0]} (pid {a.proc.pid})" in line and "no 1 free CPU core(s)" in line
     assert b.proc.wait(timeout=20) == 3
 
 

@@ -63,6 +63,27 @@ def main(verbose: bool) -> None:
                         stream=sys.stderr)
 
 
+@main.command("check-params")
+@PARAMS_OPTION
+@click.option("--out", default="reports/params", show_default=True, type=click.Path(file_okay=False, path_type=Path))
+def check_params(params_path: Path, out: Path) -> None:
+    """Validate params.yaml; write every section resolved (defaults filled in).
+
+    \b
+    Reads:  the whole params file.
+    Writes: OUT/<section>.yaml for each section whose resolved values changed.
+    The pipeline's first stage: DVC runs it before any other stage removes its outputs.
+    """
+    from .pipeline.check_params import write_resolved
+
+    params = _load_params(params_path)
+    try:  # not @user_errors: that imports torch, seconds for a stage that runs on every params edit
+        written = write_resolved(params, out)
+    except OSError as e:
+        raise click.ClickException(f"{e.filename or out}: cannot write ({e.strerror})") from None
+    click.echo(f"{params_path} is valid; {len(written)} resolved section file(s) updated in {out}")
+
+
 @main.command()
 @PARAMS_OPTION
 @click.option("--out", default="data/prepared", show_default=True, type=click.Path(path_type=Path))

@@ -47,8 +47,8 @@ def stage_inputs(st):
 def stage_outputs(st):
     outs = []
     for o in st.outs:
-        if o.persist:
-            continue
+        # `persist` outs too (check_params'): they connect the DAG. Snakemake removes them
+        # before the job, which is harmless: the Snakefile validated params.yaml at parse time.
         if o.is_dir:
             outs.append(directory(o.path))
         elif o.kind in ("metrics", "plots"):

@@ -7,7 +7,11 @@ ignores when hashing a stage.
 
 Staleness is DVC's call: `stages_to_run` is `dvc status` plus everything downstream of it.
 The Snakefile touches a stamp input for exactly those stages and marks the inputs of every
-other stage `ancient`, so Snakemake schedules what DVC would run and nothing more.
+other stage `ancient`, so Snakemake schedules what DVC would run and nothing more. One
+exception, declared in dvc.yaml: a stage's `meta.snakemake.no_propagation_from` lists deps whose
+change alone does not reach its descendants (check_params: an edit of params.yaml changes the
+resolved file of a section only when that section changed, and the stages reading it say so
+in DVC's status themselves).
 """
 from __future__ import annotations
 
@@ -83,7 +87,8 @@ def expand_source_dir(path: str, produced: set[str]) -> list[str]:
 
 
 def stages_to_run(root: str | os.PathLike = ".") -> dict[str, object]:
-    """Stages DVC would (re)run: those `dvc status` reports, plus all their descendants."""
+    """Stages DVC would (re)run: those `dvc status` reports, plus their descendants (except
+    where only a stage's `no_propagation_from` deps changed)."""
     import networkx as nx
     from dvc.repo import Repo
 
@@ -96,7 +101,23 @@ def stages_to_run(root: str | os.PathLike = ".") -> dict[str, object]:
             if name not in by_name:
                 continue
             result[name] = why
-            for s in nx.ancestors(graph, by_name[name]):
+            stage = by_name[name]
+            local = ((stage.meta or {}).get("snakemake") or {}).get("no_propagation_from") or ()
+            if _only_deps_changed(why, set(local)):
+                continue
+            for s in nx.ancestors(graph, stage):
                 if s.cmd:
                     result.setdefault(s.addressing.split(":")[-1], "upstream changed")
     return result
+
+
+def _only_deps_changed(why: list, paths: set[str]) -> bool:
+    """True when DVC's status entries for a stage name nothing but changed deps among `paths`."""
+    if not paths:
+        return False
+    changed: set[str] = set()
+    for entry in why:
+        if not isinstance(entry, dict) or set(entry) != {"changed deps"}:
+            return False  # changed outs, changed command, ...
+        changed |= set(entry["changed deps"])
+    return bool(changed) and changed <= paths
