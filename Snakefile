@@ -16,6 +16,9 @@ min_version("9.0")
 configfile: "params.yaml"
 
 
+# `snakemake --report report.html`: this page, then the outputs dvc.yaml marks under meta.snakemake.report.
+report: "workflow/report/workflow.rst"
+
 
 # DVC reads params.yaml itself: a --config override would make the two tools disagree.
 with open("params.yaml") as _f:

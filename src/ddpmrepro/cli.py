@@ -250,24 +250,31 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
 @click.option("--evaluator", "evaluator_dir", default="models/evaluator", show_default=True,
               type=click.Path(path_type=Path))
 @click.option("--model", "model_dir", default="models/ddpm", show_default=True, type=click.Path(path_type=Path))
-@click.option("--out", default="metrics.json", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", default="metrics.json", show_default=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The headline metrics (the columns of `dvc exp show`).")
+@click.option("--detail", "detail_out", default="reports/metrics_detail.json", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Every metric: KID, IS, per class, every floor value, Inception, the training summary.")
+@click.option("--live", "live_dir", default="reports/train/live", show_default=True, type=click.Path(path_type=Path),
+              help="The training run's dvclive files (final loss and images/s are copied).")
+@click.option("--table", "table_out", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the headline and per-class values as an HTML table (for `snakemake --report`).")
 @user_errors
 def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir: Path, model_dir: Path,
-             out: Path) -> None:
+             out: Path, detail_out: Path, live_dir: Path, table_out: Path | None) -> None:
     """Score the samples: class accuracy, FID/KID/precision/recall (global and per class,
     with a real-vs-real floor), optional Inception metrics, test bits/dim.
 
     \b
-    Reads:  params `evaluate.*`, `sample.ema_rate`; SAMPLES, DATA, EVALUATOR, MODEL.
-    Writes: OUT (flat keys, the columns of `dvc exp show`).
+    Reads:  params `evaluate.*`, `sample.ema_rate`; SAMPLES, DATA, EVALUATOR, MODEL, LIVE/metrics.json.
+    Writes: OUT (the headline metrics, flat keys), DETAIL (all of them), TABLE; see docs/METRICS.md.
     """
     from .evaluate import evaluate as run
 
     params = _load_params(params_path)
     _claim_cpus()
-    metrics = run(params, samples_dir, data_dir, evaluator_dir, model_dir, out)
-    click.echo(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()
-                        if k in ("class_accuracy", "fid", "recall", "bpd", "evaluator_test_accuracy")))
+    metrics = run(params, samples_dir, data_dir, evaluator_dir, model_dir, out, detail_out, live_dir, table_out)
+    click.echo(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" -> {out}, {detail_out}")
 
 
 @main.command()

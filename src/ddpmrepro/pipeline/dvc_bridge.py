@@ -3,7 +3,8 @@
 dvc.yaml stays the single source of truth (cmd, deps, params, outs); the stages are read
 through DVC's own API so `${...}` templating, `foreach` and `matrix` resolve exactly as DVC
 resolves them. Snakemake-only knobs live in each stage's `meta.snakemake` block, which DVC
-ignores when hashing a stage.
+ignores when hashing a stage (`report:` there says which outputs `snakemake --report` shows,
+with which caption).
 
 Staleness is DVC's call: `stages_to_run` is `dvc status` plus everything downstream of it.
 The Snakefile touches a stamp input for exactly those stages and marks the inputs of every
@@ -42,6 +43,7 @@ class StageSpec:
     threads: int = 1
     resources: dict = field(default_factory=dict)
     run_cacheable: bool = True
+    report: dict = field(default_factory=dict)  # out path -> Snakemake report() arguments
 
 
 def rule_name(stage_name: str) -> str:
@@ -71,6 +73,7 @@ def load_stages(root: str | os.PathLike = ".") -> list[StageSpec]:
                 name=stage.name, rule=rule_name(stage.name), cmd=cmd, deps=deps, outs=outs,
                 threads=int(meta.get("threads", 1)), resources=dict(meta.get("resources") or {}),
                 run_cacheable=not stage.always_changed and not any(o.persist for o in outs),
+                report=dict(meta.get("report") or {}),
             ))
     return specs
 
