@@ -27,7 +27,9 @@ with open("params.yaml") as _f:
 
 
 # A bad params.yaml stops Snakemake here, before any job starts (and DVC removes an output).
-check_params_file("params.yaml")
+# The main process also brings reports/params/ (check_params' outputs, the --out of its command
+# in dvc.yaml) up to date, so DVC's status already shows what a params edit makes stale.
+check_params_file("params.yaml", "reports/params" if workflow.is_main_process else None)
 
 
 include: "workflow/rules/dvc_stages.smk"

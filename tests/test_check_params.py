@@ -14,7 +14,6 @@ import yaml
 
 from ddpmrepro.params import Params, from_dict
 from ddpmrepro.pipeline.check_params import check_params_file
-from ddpmrepro.pipeline.dvc_bridge import _only_deps_changed
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -67,14 +66,14 @@ def test_the_snakefile_check_exits_like_the_stages(tmp_path, capsys):
     assert check_params_file(tmp_path / "params.yaml").train.lr == 0.001
 
 
-@pytest.mark.parametrize("why, local", [
-    ([{"changed deps": {"params.yaml": "modified"}}], True),                         # an edit of params.yaml
-    ([{"changed deps": {"params.yaml": "modified", "src/ddpmrepro/params.py": "modified"}}], False),  # code
-    ([{"changed outs": {"reports/params/train.yaml": "deleted"}}], False),
-    ([{"changed deps": {"params.yaml": "modified"}}, {"changed outs": {"reports/params/x.yaml": "modified"}}], False),
-    (["changed command"], False),
-    ([], False),
-])
-def test_only_an_edit_of_params_yaml_stays_local_to_check_params(why, local):
-    assert _only_deps_changed(why, {"params.yaml"}) is local
-    assert _only_deps_changed(why, set()) is False  # stages without the setting always propagate
+def test_the_snakefile_refreshes_the_directory_the_stage_writes():
+    root = Path(__file__).resolve().parents[1]
+    cmd = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["check_params"]["cmd"].split()
+    assert f'check_params_file("params.yaml", "{cmd[cmd.index("--out") + 1]}"' in (root / "Snakefile").read_text()
+
+
+def test_the_snakefile_check_brings_the_resolved_files_up_to_date(tmp_path):
+    (tmp_path / "params.yaml").write_text("sample:\n  guidance: 1.5\n")
+    check_params_file(tmp_path / "params.yaml", tmp_path / "resolved")
+    assert yaml.safe_load((tmp_path / "resolved/sample.yaml").read_text())["sample"]["guidance"] == 1.5
+    assert len(list((tmp_path / "resolved").glob("*.yaml"))) == 9

@@ -70,6 +70,7 @@ for st in STAGES:
         params:
             stage=st.name,  # bound now: a loop variable read in shell: would be the last stage
         threads: st.threads
+        localrule: st.local
         resources:
             **st.resources,
         log:

@@ -49,11 +49,20 @@ def write_resolved(params: Params, out_dir: Path) -> list[Path]:
     return written
 
 
-def check_params_file(path: str | Path = "params.yaml") -> Params:
-    """For the Snakefile: a bad params file exits as the stages do (one line, exit code 2)."""
+def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | None = None) -> Params:
+    """For the Snakefile: a bad params file exits as the stages do (one line, exit code 2).
+
+    With `out_dir` (the check_params stage's --out), the resolved files are also brought up to
+    date, so that DVC's status, which the Snakefile asks next, already shows which stages a
+    params edit makes stale (their resolved section changed); the check_params job then only
+    records what is there.
+    """
     try:
-        return load(path)
+        params = load(path)
     except ParamsError as e:
         msg = str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
         print(f"Error: {msg}", file=sys.stderr)
         raise SystemExit(2) from None
+    if out_dir is not None:
+        write_resolved(params, Path(out_dir))
+    return params

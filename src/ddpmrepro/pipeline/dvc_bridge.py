@@ -9,10 +9,9 @@ with which caption).
 Staleness is DVC's call: `stages_to_run` is `dvc status` plus everything downstream of it.
 The Snakefile touches a stamp input for exactly those stages and marks the inputs of every
 other stage `ancient`, so Snakemake schedules what DVC would run and nothing more. One
-exception, declared in dvc.yaml: a stage's `meta.snakemake.no_propagation_from` lists deps whose
-change alone does not reach its descendants (check_params: an edit of params.yaml changes the
-resolved file of a section only when that section changed, and the stages reading it say so
-in DVC's status themselves).
+exception, declared in dvc.yaml: a stage with `meta.snakemake.no_propagation` does not make its
+descendants stale by running (check_params: the Snakefile brings its outputs up to date while it
+parses, so DVC's status already names the stages they make stale).
 """
 from __future__ import annotations
 
@@ -44,6 +43,7 @@ class StageSpec:
     resources: dict = field(default_factory=dict)
     run_cacheable: bool = True
     report: dict = field(default_factory=dict)  # out path -> Snakemake report() arguments
+    local: bool = False  # run where Snakemake runs, never submitted to a cluster
 
 
 def rule_name(stage_name: str) -> str:
@@ -74,6 +74,7 @@ def load_stages(root: str | os.PathLike = ".") -> list[StageSpec]:
                 threads=int(meta.get("threads", 1)), resources=dict(meta.get("resources") or {}),
                 run_cacheable=not stage.always_changed and not any(o.persist for o in outs),
                 report=dict(meta.get("report") or {}),
+                local=bool(meta.get("local", False)),
             ))
     return specs
 
@@ -90,8 +91,8 @@ def expand_source_dir(path: str, produced: set[str]) -> list[str]:
 
 
 def stages_to_run(root: str | os.PathLike = ".") -> dict[str, object]:
-    """Stages DVC would (re)run: those `dvc status` reports, plus their descendants (except
-    where only a stage's `no_propagation_from` deps changed)."""
+    """Stages DVC would (re)run: those `dvc status` reports, plus their descendants (none for a
+    stage marked `no_propagation`)."""
     import networkx as nx
     from dvc.repo import Repo
 
@@ -105,22 +106,9 @@ def stages_to_run(root: str | os.PathLike = ".") -> dict[str, object]:
                 continue
             result[name] = why
             stage = by_name[name]
-            local = ((stage.meta or {}).get("snakemake") or {}).get("no_propagation_from") or ()
-            if _only_deps_changed(why, set(local)):
+            if ((stage.meta or {}).get("snakemake") or {}).get("no_propagation"):
                 continue
             for s in nx.ancestors(graph, stage):
                 if s.cmd:
                     result.setdefault(s.addressing.split(":")[-1], "upstream changed")
     return result
-
-
-def _only_deps_changed(why: list, paths: set[str]) -> bool:
-    """True when DVC's status entries for a stage name nothing but changed deps among `paths`."""
-    if not paths:
-        return False
-    changed: set[str] = set()
-    for entry in why:
-        if not isinstance(entry, dict) or set(entry) != {"changed deps"}:
-            return False  # changed outs, changed command, ...
-        changed |= set(entry["changed deps"])
-    return bool(changed) and changed <= paths
