@@ -1,4 +1,4 @@
-"""A 4-run CPU sweep three ways, and `dvc exp show` with 20 experiments in the repo.
+"""A 4-run CPU sweep four ways, and `dvc exp show` with 20 experiments in the repo.
 
     PYTHONPATH=src python benchmarks/sweep.py --workdir /tmp/sweep-bench
 
@@ -6,6 +6,7 @@ Builds a git + DVC repo of the pipeline on short params in --workdir, runs the b
 the same sweep (4 values of train.seed; each mode its own seeds, so no run-cache hits) as:
 
 - sequential:  `dvc exp run -S ...` four times (each job: every core);
+- sequential_1_thread: the same with OMP_NUM_THREADS=1;
 - queue_turns: `dvc exp run --queue ...` x4, `dvc queue start -j 2` (each job: every core, so
   cpu_slots makes their CPU stages take turns);
 - queue_side_by_side: the same with OMP_NUM_THREADS=1 (each job: 1 core, 2 jobs side by side).
@@ -36,16 +37,17 @@ from project_copy import copy_project  # noqa: E402
 from results_io import command_line, write_result  # noqa: E402
 
 SHORT = {
-    "train": {"steps": 200, "warmup_steps": 20, "checkpoint_every": 100, "log_every": 25},
-    "introspect": {"every": 50},
-    "sample": {"per_class": 20, "respacing": "ddim20"},
+    "train": {"steps": 100, "batch_per_proc": 64, "warmup_steps": 10, "checkpoint_every": 50, "log_every": 25},
+    "introspect": {"every": 25},
+    "sample": {"per_class": 10, "respacing": "ddim20"},
     "evaluator": {"epochs": 2},
     "evaluate": {"bpd_images": 16},
 }
 MODES = {  # name: (how, OMP_NUM_THREADS, first seed)
     "sequential": ("exp run", None, 1),
-    "queue_turns": ("queue -j 2", None, 11),
-    "queue_side_by_side": ("queue -j 2", "1", 21),
+    "sequential_1_thread": ("exp run", "1", 11),
+    "queue_turns": ("queue -j 2", None, 21),
+    "queue_side_by_side": ("queue -j 2", "1", 31),
 }
 
 

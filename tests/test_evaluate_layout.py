@@ -29,10 +29,10 @@ def _inputs(inception: dict | None = None, bpd: dict | None = None):
 def test_headline_is_the_few_decision_numbers_in_order_and_leaves_out_what_was_not_computed():
     gen, floor, per_class, bpd, inception, evaluator, train, *_ = _inputs()
     headline, detail = layout(gen, floor, per_class, bpd, inception, evaluator, train)
-    assert list(headline) == ["class_accuracy", "fid", "floor_fid", "precision", "recall", "final_loss",
-                              "images_per_sec", "evaluator_accuracy"]  # no bpd, no inception: not computed
-    assert headline["class_accuracy"] == gen["accuracy"] and headline["floor_fid"] == floor["fid"]
-    assert (headline["final_loss"], headline["images_per_sec"]) == (0.25, 600.0)
+    assert list(headline) == ["class_acc", "fid", "floor_fid", "precision", "recall", "loss", "img_per_sec",
+                              "evaluator_acc"]  # no bpd, no inception: not computed
+    assert headline["class_acc"] == gen["accuracy"] and headline["floor_fid"] == floor["fid"]
+    assert (headline["loss"], headline["img_per_sec"]) == (0.25, 600.0)
     headline, _ = layout(gen, floor, per_class, {"bpd": 3.5, "images": 8}, {"status": "ok", "fid": 12.5},
                          evaluator, train)
     assert list(headline) == [k for k in HEADLINE] and headline["bpd"] == 3.5 and headline["inception_fid"] == 12.5
@@ -47,7 +47,7 @@ def test_detail_holds_everything_and_per_class_agrees_with_the_global_numbers():
     assert list(detail["per_class"]) == ["zero", "one", "two", "three"]
     # per-class accuracy, weighted by count, is the global class accuracy (a second computation)
     acc = sum(c["accuracy"] * c["n"] for c in detail["per_class"].values()) / len(y)
-    assert math.isclose(acc, headline["class_accuracy"]) and acc == float((logits.argmax(1) == y).mean())
+    assert math.isclose(acc, headline["class_acc"]) and acc == float((logits.argmax(1) == y).mean())
     assert [c["fid"] for c in detail["per_class"].values()] == [gen[f"fid_class_{i}"] for i in range(4)]
 
 

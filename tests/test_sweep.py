@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from project_copy import copy_project
-from test_pipeline import TINY, deep_update
+from test_pipeline import TINY, deep_update, only_changed_table
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
@@ -100,6 +100,12 @@ def test_queued_experiments_run_side_by_side_on_disjoint_cores_and_equal_solo_ru
     assert {(exp, "train") for exp in trains} <= pinned  # each training ran on the one core it claimed
     assert not (repo / "checkpoints").exists()  # the queue never trained in the workspace
 
+    # Queued experiments add State and Executor columns; the comparison still fits 160 columns.
+    wanted, lines = only_changed_table(repo, 160)
+    assert "train.lr" in wanted and max(len(line.rstrip()) for line in lines) <= 160, "\n".join(lines)
+    header = next(line for line in lines if "Experiment" in line).split()
+    assert "State" in header and [c for c in wanted if c not in header] == [], "\n".join(lines)
+
     # The same experiments alone, one after the other, in the workspace (-f: computed, not restored
     # from the run-cache the queue filled).
     solo = {name.replace("q", "s"): lr for name, lr in lrs.items()}
@@ -110,7 +116,7 @@ def test_queued_experiments_run_side_by_side_on_disjoint_cores_and_equal_solo_ru
         for path in ("models/ddpm/model.safetensors", "models/ddpm/ema_0.999.safetensors", "samples/samples.npz"):
             assert _read(repo, path, revs[q]) == _read(repo, path, revs[s]), (q, path)
         mq, ms = (json.loads(_read(repo, "metrics.json", revs[x])) for x in (q, s))
-        assert mq.pop("images_per_sec") > 0 and ms.pop("images_per_sec") > 0  # a timing: differs
+        assert mq.pop("img_per_sec") > 0 and ms.pop("img_per_sec") > 0  # a timing: differs
         assert mq == ms and len(mq) >= 8
         dq, ds = (json.loads(_read(repo, "reports/metrics_detail.json", revs[x])) for x in (q, s))
         dq["train"].pop("images_per_sec"), ds["train"].pop("images_per_sec")

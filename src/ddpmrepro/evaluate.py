@@ -2,7 +2,7 @@
 reports/metrics_detail.json (everything). See docs/METRICS.md.
 
 Reported together, because each alone can be fooled:
-- `class_accuracy`: the evaluator's accuracy on the samples w.r.t. their conditioning label
+- `class_acc`: the evaluator's accuracy on the samples w.r.t. their conditioning label
   (catches broken conditioning, which global FID cannot see);
 - `fid`, `precision`, `recall` (and KID, IS in the detail file) in the evaluator's
   standardised feature space, against the real test split; per class in the detail file;
@@ -11,9 +11,10 @@ Reported together, because each alone can be fooled:
   score here (small-N bias is large on digits);
 - `bpd`: test-set bits/dim from the full VLB (IDDPM), on `evaluate.bpd_images` images;
 - `inception_fid`: paper-comparable Inception metrics, only with a verified local weights file;
-- `final_loss`, `images_per_sec`: the training run's last logged values (dvclive's metrics.json).
+- `loss`, `img_per_sec`: the training run's last logged values (dvclive's metrics.json).
 
-The headline file stays small because `dvc exp show` makes a column of every key in it.
+The headline file stays small, with short keys, because `dvc exp show` makes a column of every
+key in it and `--only-changed` must fit a 160-column terminal (docs/EXPERIMENTS.md).
 """
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def test_bits_per_dim(params: Params, model_dir: Path, images: np.ndarray, label
 
 
 # The columns of `dvc exp show`, in this order (docs/METRICS.md says why these).
-HEADLINE = ("class_accuracy", "fid", "floor_fid", "precision", "recall", "bpd", "inception_fid",
-            "final_loss", "images_per_sec", "evaluator_accuracy")
+HEADLINE = ("class_acc", "fid", "floor_fid", "precision", "recall", "bpd", "inception_fid", "loss", "img_per_sec",
+            "evaluator_acc")
 
 
 def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: Path, model_dir: Path,
@@ -135,10 +136,10 @@ def layout(gen: dict, floor: dict, per_class: dict, bpd: dict | None, inception:
     detail = {"samples": _without_per_class(gen), "floor": _without_per_class(floor), "per_class": per_class,
               "bpd": bpd, "inception": inception, "evaluator": evaluator, "train": train}
     values = {
-        "class_accuracy": gen.get("accuracy"), "fid": gen["fid"], "floor_fid": floor["fid"],
+        "class_acc": gen.get("accuracy"), "fid": gen["fid"], "floor_fid": floor["fid"],
         "precision": gen["precision"], "recall": gen["recall"], "bpd": bpd["bpd"] if bpd else None,
-        "inception_fid": inception.get("fid"), "final_loss": train.get("loss"),
-        "images_per_sec": train.get("images_per_sec"), "evaluator_accuracy": evaluator.get("test_accuracy"),
+        "inception_fid": inception.get("fid"), "loss": train.get("loss"),
+        "img_per_sec": train.get("images_per_sec"), "evaluator_acc": evaluator.get("test_accuracy"),
     }
     headline = {k: _clean(values[k]) for k in HEADLINE if values[k] is not None}
     return headline, _clean(detail)
@@ -149,18 +150,18 @@ def _without_per_class(m: dict) -> dict:
 
 
 MEANING = {
-    "class_accuracy": "samples classified as the class they were conditioned on",
+    "class_acc": "samples classified as the class they were conditioned on",
     "fid": "Fréchet distance to the real test split (evaluator features)",
     "floor_fid": "the same for real training images: the best reachable at this N",
     "precision": "samples inside the real data's k-NN manifold (fidelity)",
     "recall": "real images inside the samples' k-NN manifold (coverage)",
     "bpd": "test bits/dim, full variational bound",
     "inception_fid": "FID with the TF-ported Inception network (paper-comparable)",
-    "final_loss": "training loss, last logging interval",
-    "images_per_sec": "training throughput, last logging interval (a timing)",
-    "evaluator_accuracy": "the evaluator's own accuracy on the real test split",
+    "loss": "training loss, last logging interval",
+    "img_per_sec": "training images per second, last logging interval (a timing)",
+    "evaluator_acc": "the evaluator's own accuracy on the real test split",
 }
-FLOOR_OF = {"class_accuracy": "accuracy", "fid": "fid", "precision": "precision", "recall": "recall"}
+FLOOR_OF = {"class_acc": "accuracy", "fid": "fid", "precision": "precision", "recall": "recall"}
 
 
 def metrics_html(headline: dict, detail: dict) -> str:
