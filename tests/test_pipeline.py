@@ -216,7 +216,9 @@ def test_dvc_experiments_show_runs_side_by_side(repo):
 def only_changed_table(repo: Path, columns: int) -> tuple[list[str], list[str]]:
     """(the changed metric and param columns, the lines `dvc exp show --only-changed` prints at this width)."""
     changed = next(csv.reader(io.StringIO(run(repo, "dvc", "exp", "show", "--only-changed", "--csv").stdout)))
-    wanted = [c for c in changed if c in HEADLINE or re.fullmatch(r"[a-z_]+\.[a-z_]+", c)]
+    params = {f"{section}.{key}" for section, keys in yaml.safe_load((repo / "params.yaml").read_text()).items()
+              for key in keys}
+    wanted = [c for c in changed if c in HEADLINE or c in params]
     proc = subprocess.run(["dvc", "exp", "show", "--only-changed", "--no-pager"], cwd=repo, capture_output=True,
                           text=True, env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"],
                                           "COLUMNS": str(columns), "PYTHONPATH": str(repo / "src")})
