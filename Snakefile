@@ -8,16 +8,28 @@
 import yaml
 from snakemake.utils import min_version
 
+from ddpmrepro.pipeline.check_params import check_params_file
+
 min_version("9.0")
 
 
 configfile: "params.yaml"
 
 
+# `snakemake --report report.html`: this page, then the outputs dvc.yaml marks under meta.snakemake.report.
+report: "workflow/report/workflow.rst"
+
+
 # DVC reads params.yaml itself: a --config override would make the two tools disagree.
 with open("params.yaml") as _f:
     if config != yaml.safe_load(_f):
         raise ValueError("Edit params.yaml (or use `dvc exp run -S key=value`) instead of --config overrides")
+
+
+# A bad params.yaml stops Snakemake here, before any job starts (and DVC removes an output).
+# The main process also brings reports/params/ (check_params' outputs, the --out of its command
+# in dvc.yaml) up to date, so DVC's status already shows what a params edit makes stale.
+check_params_file("params.yaml", "reports/params" if workflow.is_main_process else None)
 
 
 include: "workflow/rules/dvc_stages.smk"
@@ -27,4 +39,4 @@ include: "workflow/rules/dvc_stages.smk"
 rule all:
     default_target: True
     input:
-        [o.path for st in STAGES for o in st.outs if not o.persist],
+        [o.path for st in STAGES for o in st.outs],

@@ -14,6 +14,10 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 # Verification stamps of prepared data (ddpmrepro.data.verify) go to a throwaway cache, not ~/.cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ddpmrepro-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+# No machine-wide CPU-core locks from the test processes (cpu_slots): tests that run several
+# ddpmrepro processes at once would take turns, and concurrent test runs would wait for each other.
+# tests/test_cpu_slots.py and the sweep test turn it on with a lock directory of their own.
+os.environ["DDPMREPRO_CPU_SLOTS"] = "0"
 # Temp git repos in the end-to-end tests need an identity even on a bare CI machine.
 for key, value in {"GIT_AUTHOR_NAME": "ddpmrepro tests", "GIT_AUTHOR_EMAIL": "tests@ddpmrepro.invalid",
                    "GIT_COMMITTER_NAME": "ddpmrepro tests", "GIT_COMMITTER_EMAIL": "tests@ddpmrepro.invalid"}.items():

@@ -1,10 +1,12 @@
 """End to end: a temporary git repo, real DVC and real Snakemake, on a tiny params file.
 
 Checks the outputs, that reruns are no-ops in both directions, that a params edit reruns
-exactly the stages downstream of it, and that `dvc exp` shows runs side by side.
+exactly the stages downstream of it, that a bad params.yaml stops every front-end before any
+output is touched, and that `dvc exp show` / `dvc plots diff` / `snakemake --report` show runs.
 """
 from __future__ import annotations
 
+import base64
 import csv
 import io
 import json
@@ -76,9 +78,13 @@ def repo(tmp_path_factory) -> Path:
     return repo
 
 
+STAGES = {"check_params", "prepare", "fit_evaluator", "train", "sample", "evaluate", "report"}
+HEADLINE = ["class_acc", "fid", "floor_fid", "precision", "recall", "bpd", "loss", "img_per_sec", "evaluator_acc"]
+
+
 def test_dvc_repro_builds_every_output(repo):
     out = run(repo, "dvc", "repro").stdout
-    assert ran_stages(out) == {"prepare", "fit_evaluator", "train", "sample", "evaluate", "report"}
+    assert ran_stages(out) == STAGES
 
     manifest = json.loads((repo / "data/prepared/manifest.json").read_text())
     assert manifest["source"] == "digits" and manifest["num_classes"] == 10
@@ -88,10 +94,24 @@ def test_dvc_repro_builds_every_output(repo):
     model_files = {p.name for p in (repo / "models/ddpm").iterdir()}
     assert {"model.safetensors", "ema_0.999.safetensors", "config.json"} <= model_files
     assert (repo / "samples/grid.png").stat().st_size > 0
+    # the headline (DVC's metric: `dvc exp show` columns) and the details beside it
     metrics = json.loads((repo / "metrics.json").read_text())
-    for key in ("class_accuracy", "fid", "floor_fid", "recall", "bpd", "evaluator_test_accuracy"):
-        assert isinstance(metrics[key], float), key
-    assert metrics["n_gen"] == 30
+    assert list(metrics) == HEADLINE and all(isinstance(v, float) for v in metrics.values())
+    detail = json.loads((repo / "reports/metrics_detail.json").read_text())
+    assert detail["samples"]["n_gen"] == 30 and detail["floor"]["n_gen"] == 30
+    for key, detail_key in (("class_acc", "accuracy"), ("fid", "fid"), ("precision", "precision"), ("recall", "recall")):
+        assert metrics[key] == detail["samples"][detail_key], key
+    assert metrics["floor_fid"] == detail["floor"]["fid"] and metrics["bpd"] == detail["bpd"]["bpd"]
+    assert sorted(detail["per_class"]) == [str(c) for c in range(10)]
+    assert sum(c["n"] for c in detail["per_class"].values()) == 30
+    per_class_acc = sum(c["accuracy"] * c["n"] for c in detail["per_class"].values()) / 30
+    assert per_class_acc == pytest.approx(metrics["class_acc"])  # a second way to the same number
+    live = json.loads((repo / "reports/train/live/metrics.json").read_text())
+    assert (metrics["loss"], metrics["img_per_sec"]) == (live["loss"], live["images_per_sec"])
+    assert detail["inception"]["status"].startswith("skipped") and "inception_fid" not in metrics
+    # every params section validated and resolved (defaults filled in) by the first stage
+    resolved = {p.stem: yaml.safe_load(p.read_text()) for p in (repo / "reports/params").glob("*.yaml")}
+    assert resolved["train"] == {"train": config_params(repo)["train"]} and len(resolved) == 9
     # per-step training plots (dvclive) and the gradient tables
     loss = pd.read_csv(repo / "reports/train/live/plots/metrics/loss.tsv", sep="\t")
     assert loss["step"].tolist() == [4, 8, 12]
@@ -99,8 +119,11 @@ def test_dvc_repro_builds_every_output(repo):
     assert set(grads["step"]) == {1, 4, 8, 12}  # steps count updates: the first (steps: [1]), every 4th, the last
     assert list((repo / "reports/figures").glob("*.png"))
     # resolved params beside the outputs
-    config = json.loads((repo / "models/ddpm/config.json").read_text())
-    assert config["params"]["train"]["steps"] == 12
+    assert config_params(repo)["train"]["steps"] == 12
+
+
+def config_params(repo: Path) -> dict:
+    return json.loads((repo / "models/ddpm/config.json").read_text())["params"]
 
 
 def test_second_repro_is_a_noop(repo):
@@ -111,18 +134,52 @@ def test_second_repro_is_a_noop(repo):
     assert "Nothing to be done" in run(repo, "snakemake", "-n").stdout
 
 
+def snapshot(repo: Path) -> dict[str, bytes]:
+    """Every output file DVC or the stages wrote (and params.yaml's resolved sections)."""
+    roots = ["models", "reports", "samples", "data/prepared", "metrics.json"]
+    files = [f for r in roots for f in ([repo / r] if (repo / r).is_file() else (repo / r).rglob("*"))]
+    return {str(f.relative_to(repo)): f.read_bytes() for f in files if f.is_file()}
+
+
+@pytest.mark.parametrize("typo, key", [({"train": {"bogus_key": 1}}, "train.bogus_key"), ({"trian": {"lr": 0.1}}, "trian"),
+                                       ({"sample": {"eta": "lots"}}, "sample.eta")])
+def test_a_params_typo_stops_every_front_end_before_any_output_is_touched(repo, typo, key):
+    # A finished run, then a typo: DVC used to remove the train stage's outputs before the stage's
+    # own command refused the file (models/ddpm/ and the dvclive files were gone).
+    original = (repo / "params.yaml").read_text()
+    before = snapshot(repo)
+    assert any(k.startswith("models/ddpm/") for k in before) and "reports/train/live/metrics.json" in before
+    (repo / "params.yaml").write_text(yaml.safe_dump(deep_update(yaml.safe_load(original), typo), sort_keys=False))
+    try:
+        for cmd in (["dvc", "repro"], ["dvc", "exp", "run"], ["snakemake", "--cores", "all"]):
+            proc = run(repo, *cmd, check=False)
+            assert proc.returncode != 0, cmd
+            errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("Error: ")]
+            assert len(errors) == 1 and errors[0].startswith(f"Error: params.yaml: {key}"), (cmd, errors)
+            if cmd[0] == "snakemake":
+                assert proc.returncode == 2  # as the stages' own commands exit on a bad params.yaml
+            else:
+                assert ran_stages(proc.stdout) == {"check_params"}, cmd
+            assert snapshot(repo) == before, cmd
+    finally:
+        (repo / "params.yaml").write_text(original)
+    assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
+
+
 def test_lr_edit_reruns_train_and_downstream_only(repo):
     set_param(repo, "train", "lr", 1e-3)
     status = run(repo, "dvc", "status", "--json").stdout
-    assert set(json.loads(status)) == {"train"}
+    assert set(json.loads(status)) == {"check_params", "train"}  # check_params: any edit of params.yaml
     out = run(repo, "dvc", "repro").stdout
-    assert ran_stages(out) == {"train", "sample", "evaluate", "report"}
+    assert ran_stages(out) == {"check_params", "train", "sample", "evaluate", "report"}
+    assert yaml.safe_load((repo / "reports/params/train.yaml").read_text())["train"]["lr"] == 1e-3
 
 
 def test_snakemake_runs_what_dvc_would_and_leaves_dvc_clean(repo):
     set_param(repo, "sample", "seed", 7)
     dry = run(repo, "snakemake", "-n").stdout
-    assert "sample" in dry and "evaluate" in dry and "train" not in re.findall(r"rule (\w+):", dry)
+    # check_params reruns on any edit of params.yaml, but only the stages reading `sample` follow it
+    assert set(re.findall(r"rule (\w+):", dry)) - {"all"} == {"check_params", "sample", "evaluate"}
     run(repo, "snakemake", "--cores", "all", "--resources", "gpu=4")
     assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
     assert ran_stages(run(repo, "dvc", "repro").stdout) == set()
@@ -145,12 +202,77 @@ def test_dvc_experiments_show_runs_side_by_side(repo):
     run(repo, "git", "add", "-A")
     run(repo, "git", "commit", "-qm", "baseline")
     run(repo, "dvc", "exp", "run", "-S", "train.lr=0.004", "-n", "lr4e-3")
+    run(repo, "dvc", "exp", "run", "-S", "train.lr=0.002", "-n", "lr2e-3")
     table = run(repo, "dvc", "exp", "show", "--csv", "--no-pager").stdout
     rows = list(csv.DictReader(io.StringIO(table)))
     by_name = {r["Experiment"] or r["rev"]: r for r in rows}
-    assert "lr4e-3" in by_name
+    assert {"lr4e-3", "lr2e-3"} <= set(by_name)
     assert float(by_name["lr4e-3"]["train.lr"]) == pytest.approx(0.004)
     baseline = next(r for r in rows if r["rev"] == "main")
     assert float(baseline["train.lr"]) == pytest.approx(1e-3)
     for row in (baseline, by_name["lr4e-3"]):
-        assert row["class_accuracy"] != "" and row["fid"] != ""
+        assert row["class_acc"] != "" and row["fid"] != ""
+    # The headline is the only DVC metrics file: no per-class, floor or dvclive columns.
+    exps = json.loads(run(repo, "dvc", "exp", "show", "--json").stdout)
+    metric_files = {f for e in exps for f in ((e.get("data") or {}).get("metrics") or {})}
+    assert metric_files == {"metrics.json"}
+
+
+def only_changed_table(repo: Path, columns: int) -> tuple[list[str], list[str]]:
+    """(the changed metric and param columns, the lines `dvc exp show --only-changed` prints at this width)."""
+    changed = next(csv.reader(io.StringIO(run(repo, "dvc", "exp", "show", "--only-changed", "--csv").stdout)))
+    params = {f"{section}.{key}" for section, keys in yaml.safe_load((repo / "params.yaml").read_text()).items()
+              for key in keys}
+    wanted = [c for c in changed if c in HEADLINE or c in params]
+    proc = subprocess.run(["dvc", "exp", "show", "--only-changed", "--no-pager"], cwd=repo, capture_output=True,
+                          text=True, env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"],
+                                          "COLUMNS": str(columns), "PYTHONPATH": str(repo / "src")})
+    return wanted, proc.stdout.splitlines()
+
+
+# 160 columns, less the 21 that experiments run by `dvc queue` add (State, Executor): tests/test_sweep.py
+# checks a queued pair at 160.
+@pytest.mark.parametrize("columns", [160, 139])
+def test_only_changed_fits_with_the_param_and_every_changed_metric(repo, columns):
+    wanted, lines = only_changed_table(repo, columns)
+    assert "train.lr" in wanted and "fid" in wanted and "loss" in wanted
+    assert max(len(line.rstrip()) for line in lines) <= columns, "\n".join(lines)
+    header = next(line for line in lines if "Experiment" in line).split()
+    assert [c for c in wanted if c not in header] == [], "\n".join(lines)  # none folded into "…"
+
+
+def test_dvc_plots_diff_draws_every_plot_for_both_experiments(repo):
+    out = json.loads(run(repo, "dvc", "plots", "diff", "lr4e-3", "lr2e-3", "--json").stdout)["data"]
+    dvc_yaml = yaml.safe_load((repo / "dvc.yaml").read_text())
+    ids = [next(iter(p)) if isinstance(p, dict) else p for p in dvc_yaml["plots"]]
+    live = sorted(str(p.relative_to(repo)) for p in (repo / "reports/train/live/plots/metrics").glob("*.tsv"))
+    assert set(ids) | set(live) <= set(out)
+    for plot_id in [*ids, *live]:
+        revisions = set()
+        for entry in out[plot_id]:
+            if entry["type"] == "vega":
+                values = entry["content"]["data"]["values"]
+                revisions |= {v["rev"] for v in values}
+                assert all(v["step"] != "" for v in values)
+            else:
+                assert Path(entry["url"]).stat().st_size > 0
+                revisions |= set(entry["revisions"])
+        assert revisions == {"lr4e-3", "lr2e-3"}, plot_id
+
+
+def test_snakemake_report_holds_every_figure_with_its_caption(repo):
+    run(repo, "snakemake", "--report", "report.html")
+    page = (repo / "report.html").read_text()
+    assert "Class-conditional DDPM/IDDPM trained and evaluated by ddpmrepro" in page  # workflow.rst
+    results = json.loads(re.search(r"var results = (\{.*?\});\n", page, re.S).group(1))
+    by_name = {r["filename"]: r for r in results.values()}
+    expected = {"samples/grid.png": "samples.rst", "reports/metrics.html": "metrics.rst",
+                "metrics.json": "metrics_json.rst", "reports/metrics_detail.json": "metrics_detail.rst",
+                **{f"reports/figures/{p.name}": "figures.rst" for p in (repo / "reports/figures").glob("*.png")}}
+    assert len(expected) >= 10 and set(by_name) == {Path(p).name for p in expected}
+    for path, caption in expected.items():
+        entry = by_name[Path(path).name]
+        # the file itself is embedded, byte for byte
+        assert base64.b64decode(entry["data_uri"].split(",", 1)[1]) == (repo / path).read_bytes(), path
+        first_words = (repo / "workflow/report" / caption).read_text().split("\n")[0].split("(")[0].strip()
+        assert entry["caption"].startswith(f"<p>{first_words}"), (path, entry["caption"][:80])

@@ -13,11 +13,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = {  # the modules each stage's command runs (always through the CLI)
+    "check_params": ["ddpmrepro.cli", "ddpmrepro.pipeline.check_params"],
     "prepare": ["ddpmrepro.cli", "ddpmrepro.data"],
-    "fit_evaluator": ["ddpmrepro.cli", "ddpmrepro.evaluator", "ddpmrepro.data"],
-    "train": ["ddpmrepro.cli", "ddpmrepro.train", "ddpmrepro.launch", "ddpmrepro.gpu_slots", "ddpmrepro.torchrun"],
-    "sample": ["ddpmrepro.cli", "ddpmrepro.sample", "ddpmrepro.launch", "ddpmrepro.gpu_slots", "ddpmrepro.torchrun"],
-    "evaluate": ["ddpmrepro.cli", "ddpmrepro.evaluate"],
+    "fit_evaluator": ["ddpmrepro.cli", "ddpmrepro.evaluator", "ddpmrepro.data", "ddpmrepro.cpu_slots"],
+    "train": ["ddpmrepro.cli", "ddpmrepro.train", "ddpmrepro.launch", "ddpmrepro.gpu_slots", "ddpmrepro.cpu_slots",
+              "ddpmrepro.torchrun"],
+    "sample": ["ddpmrepro.cli", "ddpmrepro.sample", "ddpmrepro.launch", "ddpmrepro.gpu_slots", "ddpmrepro.cpu_slots",
+               "ddpmrepro.torchrun"],
+    "evaluate": ["ddpmrepro.cli", "ddpmrepro.evaluate", "ddpmrepro.cpu_slots"],
     "report": ["ddpmrepro.cli", "ddpmrepro.report"],
 }
 

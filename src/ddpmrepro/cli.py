@@ -149,6 +149,27 @@ def main(verbose: bool) -> None:
                         stream=sys.stderr)
 
 
+@main.command("check-params")
+@PARAMS_OPTION
+@click.option("--out", default="reports/params", show_default=True, type=click.Path(file_okay=False, path_type=Path))
+def check_params(params_path: Path, out: Path) -> None:
+    """Validate params.yaml; write every section resolved (defaults filled in).
+
+    \b
+    Reads:  the whole params file.
+    Writes: OUT/<section>.yaml for each section whose resolved values changed.
+    The pipeline's first stage: DVC runs it before any other stage removes its outputs.
+    """
+    from .pipeline.check_params import write_resolved
+
+    params = _load_params(params_path)
+    try:  # not @user_errors: that imports torch, seconds for a stage that runs on every params edit
+        written = write_resolved(params, out)
+    except OSError as e:
+        raise click.ClickException(f"{e.filename or out}: cannot write ({e.strerror})") from None
+    click.echo(f"{params_path} is valid; {len(written)} resolved section file(s) updated in {out}")
+
+
 @main.command()
 @PARAMS_OPTION
 @click.option("--out", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
@@ -191,6 +212,7 @@ def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
 
     params = _load_params(params_path)
     d = load_prepared(data_dir)
+    _claim_cpus()
     m = run(d.train_images, d.train_labels, d.test_images, d.test_labels, params.evaluator, out,
             num_classes=d.manifest["num_classes"], class_names=d.manifest["class_names"])
     click.echo(f"evaluator test accuracy {m['test_accuracy']:.4f} -> {out}")
@@ -253,9 +275,17 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
         click.echo(f"trained {summary['step']} steps, final loss {summary['loss']:.4f} -> {out}")
 
 
+def _claim_cpus(nproc: int = 1) -> None:
+    """Runs torch on this job's share of the cores, waiting while concurrent jobs hold them (cpu_slots)."""
+    from . import cpu_slots
+
+    cpu_slots.claim(nproc)
+
+
 def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: bool = True) -> None:
     """On GPUs: fails when nproc is more than the visible GPUs, and (claim) takes GPUs that no
-    concurrent ddpmrepro job on this machine uses (gpu_slots narrows CUDA_VISIBLE_DEVICES)."""
+    concurrent ddpmrepro job on this machine uses (gpu_slots narrows CUDA_VISIBLE_DEVICES).
+    On CPU: (claim) takes this job's cores (cpu_slots)."""
     import torch
 
     from . import gpu_slots
@@ -264,6 +294,8 @@ def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: 
     # so the CUDA_VISIBLE_DEVICES set by gpu_slots still applies to a run in this very process.
     have = torch.cuda.device_count()
     if device == "cpu" or (device == "auto" and have == 0):
+        if claim:
+            _claim_cpus(nproc)
         return
     if nproc > have:
         raise click.ClickException(f"{key}={nproc} processes need {nproc} GPUs but {have} are visible; "
@@ -311,23 +343,32 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
 @click.option("--evaluator", "evaluator_dir", default="models/evaluator", show_default=True,
               type=click.Path(path_type=Path))
 @click.option("--model", "model_dir", default="models/ddpm", show_default=True, type=click.Path(path_type=Path))
-@click.option("--out", default="metrics.json", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", default="metrics.json", show_default=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The headline metrics (the columns of `dvc exp show`).")
+@click.option("--detail", "detail_out", default="reports/metrics_detail.json", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Every metric: KID, IS, per class, every floor value, Inception, the training summary.")
+@click.option("--live", "live_dir", default="reports/train/live", show_default=True, type=click.Path(path_type=Path),
+              help="The training run's dvclive files (final loss and images/s are copied).")
+@click.option("--table", "table_out", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the headline and per-class values as an HTML table (for `snakemake --report`).")
 @user_errors
 @writes(out="file")
 def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir: Path, model_dir: Path,
-             out: Path) -> None:
+             out: Path, detail_out: Path, live_dir: Path, table_out: Path | None) -> None:
     """Score the samples: class accuracy, FID/KID/precision/recall (global and per class,
     with a real-vs-real floor), optional Inception metrics, test bits/dim.
 
     \b
-    Reads:  params `evaluate.*`, `sample.ema_rate`; SAMPLES, DATA, EVALUATOR, MODEL.
-    Writes: OUT (flat keys, the columns of `dvc exp show`).
+    Reads:  params `evaluate.*`, `sample.ema_rate`; SAMPLES, DATA, EVALUATOR, MODEL, LIVE/metrics.json.
+    Writes: OUT (the headline metrics, flat keys), DETAIL (all of them), TABLE; see docs/METRICS.md.
     """
     from .evaluate import evaluate as run
 
-    metrics = run(_load_params(params_path), samples_dir, data_dir, evaluator_dir, model_dir, out)
-    click.echo(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()
-                        if k in ("class_accuracy", "fid", "recall", "bpd", "evaluator_test_accuracy")))
+    params = _load_params(params_path)
+    _claim_cpus()
+    metrics = run(params, samples_dir, data_dir, evaluator_dir, model_dir, out, detail_out, live_dir, table_out)
+    click.echo(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" -> {out}, {detail_out}")
 
 
 @main.command()

@@ -1,17 +1,24 @@
-"""The evaluate stage: samples + real data + evaluator + model -> metrics.json.
+"""The evaluate stage: samples + real data + evaluator + model -> metrics.json (headline) and
+reports/metrics_detail.json (everything). See docs/METRICS.md.
 
-Reported together, because each alone can be fooled (see docs/METRICS.md):
-- `class_accuracy`: the evaluator's accuracy on the samples w.r.t. their conditioning label
+Reported together, because each alone can be fooled:
+- `class_acc`: the evaluator's accuracy on the samples w.r.t. their conditioning label
   (catches broken conditioning, which global FID cannot see);
-- `fid`, `kid`, `precision`, `recall`, `is` in the evaluator's standardised feature space,
-  against the real test split, plus `fid_per_class_mean` / `fid_class_<c>`;
-- `floor_*`: the same metrics for real train images against the same test split at the same
-  N: the best a perfect generator could score here (small-N bias is large on digits);
+- `fid`, `precision`, `recall` (and KID, IS in the detail file) in the evaluator's
+  standardised feature space, against the real test split; per class in the detail file;
+- `floor_fid` (and every other `floor` value in the detail file): the same metrics for real
+  train images against the same test split at the same N: the best a perfect generator could
+  score here (small-N bias is large on digits);
 - `bpd`: test-set bits/dim from the full VLB (IDDPM), on `evaluate.bpd_images` images;
-- `inception_*`: paper-comparable Inception metrics only with a verified local weights file.
+- `inception_fid`: paper-comparable Inception metrics, only with a verified local weights file;
+- `loss`, `img_per_sec`: the training run's last logged values (dvclive's metrics.json).
+
+The headline file stays small, with short keys, because `dvc exp show` makes a column of every
+key in it and `--only-changed` must fit a 160-column terminal (docs/EXPERIMENTS.md).
 """
 from __future__ import annotations
 
+import html
 import json
 import math
 from pathlib import Path
@@ -59,8 +66,16 @@ def test_bits_per_dim(params: Params, model_dir: Path, images: np.ndarray, label
     return float(torch.cat(total).mean())
 
 
+# The columns of `dvc exp show`, in this order (docs/METRICS.md says why these).
+HEADLINE = ("class_acc", "fid", "floor_fid", "precision", "recall", "bpd", "inception_fid", "loss", "img_per_sec",
+            "evaluator_acc")
+
+
 def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: Path, model_dir: Path,
-             out: Path) -> dict:
+             out: Path, detail_out: Path, live_dir: Path | None = None, table_out: Path | None = None) -> dict:
+    """Writes `out` (the headline metrics), `detail_out` (all of them) and, if given, `table_out`
+    (both as an HTML table, for Snakemake's report); returns the headline. `live_dir` holds the
+    training run's dvclive files (its last logged values are copied)."""
     p = params.evaluate
     samples = load_samples(samples_dir)
     data = load_prepared(data_dir)
@@ -74,31 +89,120 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     f_test = evaluator.features(data.test_images)
     f_train, logits_train = evaluator.features_and_logits(data.train_images)
     n = len(f_gen)
-    metrics = feature_metrics(f_gen, samples["labels"], f_test, data.test_labels, logits_gen=logits_gen,
-                              k=p.pr_neighbourhood, kid_subset_size=min(1000, n, len(f_test)))
-    metrics["class_accuracy"] = metrics.pop("accuracy")
-    metrics.update(real_floor(f_train, data.train_labels, f_test, data.test_labels, n, logits_a=logits_train,
-                              k=p.pr_neighbourhood, kid_subset_size=min(1000, n, len(f_test))))
-    eval_metrics = json.loads((Path(evaluator_dir) / "metrics.json").read_text())
-    metrics["evaluator_test_accuracy"] = eval_metrics["test_accuracy"]
+    kid_subset = min(1000, n, len(f_test))
+    gen = feature_metrics(f_gen, samples["labels"], f_test, data.test_labels, logits_gen=logits_gen,
+                          k=p.pr_neighbourhood, kid_subset_size=kid_subset)
+    floor = real_floor(f_train, data.train_labels, f_test, data.test_labels, n, logits_a=logits_train,
+                       k=p.pr_neighbourhood, kid_subset_size=kid_subset)
+    floor = {k.removeprefix("floor_"): v for k, v in floor.items()}
+    evaluator_metrics = json.loads((Path(evaluator_dir) / "metrics.json").read_text())
 
     # Test bits/dim on a fixed subset (the first images of the test split).
+    bpd = None
     if p.bpd_images:
         k = min(p.bpd_images, len(data.test_images))
-        metrics["bpd"] = test_bits_per_dim(params, model_dir, data.test_images[:k], data.test_labels[:k])
+        bpd = {"bpd": test_bits_per_dim(params, model_dir, data.test_images[:k], data.test_labels[:k]), "images": k}
 
     # Paper-comparable Inception metrics, only from a verified local weights file.
     inc = inception_metrics(samples["images"], data.test_images, p.inception_weights or None, p.inception_sha256)
-    metrics.update({(k if k.startswith("inception") else f"inception_{k}"): v for k, v in inc.items()})
+    inception = {k.removeprefix("inception_"): v for k, v in inc.items()}
 
-    metrics = {k: _clean(v) for k, v in metrics.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(metrics, indent=2) + "\n")
-    return metrics
+    # The training run's last logged values. (Not models/ddpm/config.json's `final`: a run that
+    # resumes at its last step logs nothing, while dvclive's files come back with the checkpoint.)
+    live_metrics = Path(live_dir) / "metrics.json" if live_dir else None
+    train = json.loads(live_metrics.read_text()) if live_metrics and live_metrics.is_file() else {}
+
+    headline, detail = layout(gen, floor, _per_class(gen, floor, logits_gen, samples["labels"],
+                                                     data.manifest["class_names"]),
+                              bpd, inception, evaluator_metrics, train)
+    files = {out: json.dumps(headline, indent=2) + "\n", detail_out: json.dumps(detail, indent=2) + "\n"}
+    if table_out:
+        files[table_out] = metrics_html(headline, detail)
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+    return headline
+
+
+def layout(gen: dict, floor: dict, per_class: dict, bpd: dict | None, inception: dict, evaluator: dict,
+           train: dict) -> tuple[dict, dict]:
+    """(headline, detail): the few numbers `dvc exp show` makes columns of, and everything.
+
+    gen, floor: `feature_metrics` of the samples and of the real floor (keys without `floor_`);
+    bpd: {"bpd", "images"} or None; inception: `inception_metrics` without the prefix; evaluator:
+    the evaluator's own metrics.json; train: dvclive's last logged values. A headline key without
+    a value (no bits/dim, no Inception weights) is left out rather than shown as a column of nulls.
+    """
+    detail = {"samples": _without_per_class(gen), "floor": _without_per_class(floor), "per_class": per_class,
+              "bpd": bpd, "inception": inception, "evaluator": evaluator, "train": train}
+    values = {
+        "class_acc": gen.get("accuracy"), "fid": gen["fid"], "floor_fid": floor["fid"],
+        "precision": gen["precision"], "recall": gen["recall"], "bpd": bpd["bpd"] if bpd else None,
+        "inception_fid": inception.get("fid"), "loss": train.get("loss"),
+        "img_per_sec": train.get("images_per_sec"), "evaluator_acc": evaluator.get("test_accuracy"),
+    }
+    headline = {k: _clean(values[k]) for k in HEADLINE if values[k] is not None}
+    return headline, _clean(detail)
+
+
+def _without_per_class(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith("fid_class_")}
+
+
+MEANING = {
+    "class_acc": "samples classified as the class they were conditioned on",
+    "fid": "Fréchet distance to the real test split (evaluator features)",
+    "floor_fid": "the same for real training images: the best reachable at this N",
+    "precision": "samples inside the real data's k-NN manifold (fidelity)",
+    "recall": "real images inside the samples' k-NN manifold (coverage)",
+    "bpd": "test bits/dim, full variational bound",
+    "inception_fid": "FID with the TF-ported Inception network (paper-comparable)",
+    "loss": "training loss, last logging interval",
+    "img_per_sec": "training images per second, last logging interval (a timing)",
+    "evaluator_acc": "the evaluator's own accuracy on the real test split",
+}
+FLOOR_OF = {"class_acc": "accuracy", "fid": "fid", "precision": "precision", "recall": "recall"}
+
+
+def metrics_html(headline: dict, detail: dict) -> str:
+    """A self-contained HTML page: the headline with its floor values, then the per-class values."""
+    def num(v) -> str:
+        return "–" if v is None else f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+
+    rows = "".join(f"<tr><td><code>{k}</code></td><td>{num(v)}</td>"
+                   f"<td>{num(detail['floor'].get(FLOOR_OF[k])) if k in FLOOR_OF else ''}</td>"
+                   f"<td>{html.escape(MEANING[k])}</td></tr>" for k, v in headline.items())
+    per_class = "".join(f"<tr><td>{html.escape(name)}</td><td>{c['n']}</td><td>{num(c['accuracy'])}</td>"
+                        f"<td>{num(c['fid'])}</td><td>{num(c['floor_fid'])}</td></tr>"
+                        for name, c in detail["per_class"].items())
+    style = ("body{font-family:sans-serif;margin:1em} table{border-collapse:collapse;margin-bottom:1.5em}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} td:first-child,td:last-child{text-align:left}")
+    return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>metrics</title><style>{style}</style></head><body>\n"
+            f"<h3>Headline (metrics.json)</h3>\n<table><tr><th>metric</th><th>value</th><th>real-vs-real floor</th>"
+            f"<th>meaning</th></tr>{rows}</table>\n"
+            f"<h3>Per class ({detail['samples']['n_gen']} samples)</h3>\n<table><tr><th>class</th><th>samples</th>"
+            f"<th>accuracy</th><th>FID</th><th>floor FID</th></tr>{per_class}</table>\n"
+            "<p>All values: reports/metrics_detail.json; what they mean: docs/METRICS.md.</p></body></html>\n")
+
+
+def _per_class(gen: dict, floor: dict, logits_gen: np.ndarray, labels: np.ndarray, class_names: list) -> dict:
+    """{class name: FID, floor FID, accuracy and count of the samples conditioned on it}."""
+    pred = np.asarray(logits_gen).argmax(1)
+    out = {}
+    for c, name in enumerate(class_names):
+        mine = labels == c
+        out[str(name)] = {"fid": gen.get(f"fid_class_{c}"), "floor_fid": floor.get(f"fid_class_{c}"),
+                          "accuracy": float((pred[mine] == c).mean()) if mine.any() else None,
+                          "n": int(mine.sum())}
+    return out
 
 
 def _clean(v):
-    """JSON-friendly: numpy scalars to Python, non-finite numbers to null."""
+    """JSON-friendly, recursively: numpy scalars to Python, non-finite numbers to null."""
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
     if isinstance(v, (np.floating, np.integer)):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):

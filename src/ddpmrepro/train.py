@@ -61,9 +61,9 @@ class TrainPaths:
 
 
 # The code that trains: exactly the train stage's code deps in dvc.yaml (a test keeps the two equal).
-TRAIN_CODE = ("__init__.py", "cli.py", "params.py", "checkpoint.py", "data", "diffusion.py", "distributed.py",
-              "ema.py", "gpu_slots.py", "introspect.py", "launch.py", "respace.py", "timestep_sampler.py", "torchrun.py",
-              "train.py", "unet.py")
+TRAIN_CODE = ("__init__.py", "cli.py", "params.py", "checkpoint.py", "cpu_slots.py", "data", "diffusion.py",
+              "distributed.py", "ema.py", "gpu_slots.py", "introspect.py", "launch.py", "respace.py", "slots.py",
+              "timestep_sampler.py", "torchrun.py", "train.py", "unet.py")
 
 
 def code_version() -> str:

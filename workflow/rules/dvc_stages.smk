@@ -47,14 +47,14 @@ def stage_inputs(st):
 def stage_outputs(st):
     outs = []
     for o in st.outs:
-        if o.persist:
-            continue
-        if o.is_dir:
-            outs.append(directory(o.path))
-        elif o.kind in ("metrics", "plots"):
-            outs.append(report(o.path, category=o.kind, subcategory=st.name))
-        else:
-            outs.append(o.path)
+        # `persist` outs too (check_params'): they connect the DAG. Snakemake removes them
+        # before the job, which is harmless: the Snakefile validated params.yaml at parse time.
+        out = directory(o.path) if o.is_dir else o.path
+        # `meta.snakemake.report` in dvc.yaml: what `snakemake --report` shows, with its caption.
+        spec = dict(st.report.get(o.path) or {})
+        if "caption" in spec:  # report() reads a caption relative to this file; dvc.yaml's are from the root
+            spec["caption"] = str(Path(spec["caption"]).resolve())
+        outs.append(report(out, **spec) if spec else out)
     return outs
 
 
@@ -70,6 +70,7 @@ for st in STAGES:
         params:
             stage=st.name,  # bound now: a loop variable read in shell: would be the last stage
         threads: st.threads
+        localrule: st.local
         resources:
             **st.resources,
         log:

@@ -1,0 +1,1 @@
+"""Pipeline plumbing: the DVC -> Snakemake bridge and the check_params stage."""

@@ -3,11 +3,15 @@
 dvc.yaml stays the single source of truth (cmd, deps, params, outs); the stages are read
 through DVC's own API so `${...}` templating, `foreach` and `matrix` resolve exactly as DVC
 resolves them. Snakemake-only knobs live in each stage's `meta.snakemake` block, which DVC
-ignores when hashing a stage.
+ignores when hashing a stage (`report:` there says which outputs `snakemake --report` shows,
+with which caption).
 
 Staleness is DVC's call: `stages_to_run` is `dvc status` plus everything downstream of it.
 The Snakefile touches a stamp input for exactly those stages and marks the inputs of every
-other stage `ancient`, so Snakemake schedules what DVC would run and nothing more.
+other stage `ancient`, so Snakemake schedules what DVC would run and nothing more. One
+exception, declared in dvc.yaml: a stage with `meta.snakemake.no_propagation` does not make its
+descendants stale by running (check_params: the Snakefile brings its outputs up to date while it
+parses, so DVC's status already names the stages they make stale).
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ class StageSpec:
     threads: int = 1
     resources: dict = field(default_factory=dict)
     run_cacheable: bool = True
+    report: dict = field(default_factory=dict)  # out path -> Snakemake report() arguments
+    local: bool = False  # run where Snakemake runs, never submitted to a cluster
 
 
 def rule_name(stage_name: str) -> str:
@@ -67,6 +73,8 @@ def load_stages(root: str | os.PathLike = ".") -> list[StageSpec]:
                 name=stage.name, rule=rule_name(stage.name), cmd=cmd, deps=deps, outs=outs,
                 threads=int(meta.get("threads", 1)), resources=dict(meta.get("resources") or {}),
                 run_cacheable=not stage.always_changed and not any(o.persist for o in outs),
+                report=dict(meta.get("report") or {}),
+                local=bool(meta.get("local", False)),
             ))
     return specs
 
@@ -83,7 +91,8 @@ def expand_source_dir(path: str, produced: set[str]) -> list[str]:
 
 
 def stages_to_run(root: str | os.PathLike = ".") -> dict[str, object]:
-    """Stages DVC would (re)run: those `dvc status` reports, plus all their descendants."""
+    """Stages DVC would (re)run: those `dvc status` reports, plus their descendants (none for a
+    stage marked `no_propagation`)."""
     import networkx as nx
     from dvc.repo import Repo
 
@@ -96,7 +105,10 @@ def stages_to_run(root: str | os.PathLike = ".") -> dict[str, object]:
             if name not in by_name:
                 continue
             result[name] = why
-            for s in nx.ancestors(graph, by_name[name]):
+            stage = by_name[name]
+            if ((stage.meta or {}).get("snakemake") or {}).get("no_propagation"):
+                continue
+            for s in nx.ancestors(graph, stage):
                 if s.cmd:
                     result.setdefault(s.addressing.split(":")[-1], "upstream changed")
     return result

@@ -1,0 +1,137 @@
+"""A sweep through DVC's queue: `dvc queue start -j 2` runs two experiments at once, each in its own
+temporary clone (its own checkpoints), on disjoint cores (cpu_slots), and each gives exactly what
+the same experiment gives when run alone. Real git, DVC, celery queue workers and training."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import dvc.api
+import pytest
+import yaml
+
+from project_copy import copy_project
+from test_pipeline import TINY, deep_update, only_changed_table
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = str(Path(sys.executable).parent)
+TORCH_STAGES = {"fit-evaluator", "train", "sample", "evaluate"}
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")]
+
+
+def run(repo: Path, env: dict, *cmd: str) -> str:
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+class Watcher(threading.Thread):
+    """Snapshots of the ddpmrepro stage processes of queued experiments: (experiment dir, stage, cores)."""
+
+    def __init__(self, repo: Path):
+        super().__init__(daemon=True)
+        self.root, self.snapshots, self.stop = str(repo.resolve() / ".dvc/tmp/exps") + "/", [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            snap = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    cwd = os.readlink(f"/proc/{pid}/cwd")
+                    if b"ddpmrepro.cli" not in argv or argv[0].endswith(b"sh") or not cwd.startswith(self.root):
+                        continue
+                    stage = argv[argv.index(b"ddpmrepro.cli") + 1].decode()
+                    snap.append((cwd[len(self.root):].split("/")[0], stage, frozenset(os.sched_getaffinity(int(pid)))))
+                except (OSError, ValueError, IndexError):
+                    pass  # the process ended while we looked
+            self.snapshots.append(snap)
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("sweep")
+    copy_project(repo)
+    params = deep_update(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return repo
+
+
+def test_queued_experiments_run_side_by_side_on_disjoint_cores_and_equal_solo_runs(repo, tmp_path):
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(repo / "src"),
+           "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "1",  # each job's share: 1 of the 2 cores
+           "DDPMREPRO_CPU_SLOTS": "1", "DDPMREPRO_CPU_LOCK_DIR": str(tmp_path / "cpu-locks")}
+    for cmd in (["git", "init", "-q", "-b", "main"], ["dvc", "init", "-q"], ["git", "add", "-A"],
+                ["git", "commit", "-qm", "tiny pipeline"]):
+        run(repo, env, *cmd)
+    lrs = {"q4": "0.004", "q2": "0.002"}
+    for name, lr in lrs.items():
+        run(repo, env, "dvc", "exp", "run", "--queue", "-S", f"train.lr={lr}", "-n", name)
+
+    watcher = Watcher(repo)
+    watcher.start()
+    run(repo, env, "dvc", "queue", "start", "-j", "2")
+    deadline = time.monotonic() + 1500
+    while time.monotonic() < deadline:
+        time.sleep(3)
+        status = run(repo, env, "dvc", "queue", "status")
+        if "Running" not in status and "Queued" not in status:
+            break
+    watcher.stop.set()
+    watcher.join()
+    assert status.count("Success") == 2, status
+
+    # Two experiments computed at the same time, each in its own clone, never two on one core.
+    torch_jobs = [[job for job in snap if job[1] in TORCH_STAGES] for snap in watcher.snapshots]
+    assert max(len({exp for exp, _, _ in snap}) for snap in torch_jobs) == 2
+    trains = {exp for snap in torch_jobs for exp, stage, _ in snap if stage == "train"}
+    assert len(trains) == 2  # two clones, so two checkpoint directories: nothing shared
+    for snap in torch_jobs:
+        claimed = [cores for _, _, cores in snap if len(cores) == 1]  # pinned to its one claimed core
+        assert len(claimed) == len(set(claimed)), snap
+    pinned = {(exp, stage) for snap in torch_jobs for exp, stage, cores in snap if len(cores) == 1}
+    assert {(exp, "train") for exp in trains} <= pinned  # each training ran on the one core it claimed
+    assert not (repo / "checkpoints").exists()  # the queue never trained in the workspace
+
+    # Queued experiments add State and Executor columns; the comparison still fits 160 columns.
+    wanted, lines = only_changed_table(repo, 160)
+    assert "train.lr" in wanted and max(len(line.rstrip()) for line in lines) <= 160, "\n".join(lines)
+    header = next(line for line in lines if "Experiment" in line).split()
+    assert "State" in header and [c for c in wanted if c not in header] == [], "\n".join(lines)
+
+    # The same experiments alone, one after the other, in the workspace (-f: computed, not restored
+    # from the run-cache the queue filled).
+    solo = {name.replace("q", "s"): lr for name, lr in lrs.items()}
+    for name, lr in solo.items():
+        run(repo, env, "dvc", "exp", "run", "-f", "-S", f"train.lr={lr}", "-n", name)
+    revs = {e["name"]: e["rev"] for e in _experiments(repo, env)}
+    for q, s in (("q4", "s4"), ("q2", "s2")):
+        for path in ("models/ddpm/model.safetensors", "models/ddpm/ema_0.999.safetensors", "samples/samples.npz"):
+            assert _read(repo, path, revs[q]) == _read(repo, path, revs[s]), (q, path)
+        mq, ms = (json.loads(_read(repo, "metrics.json", revs[x])) for x in (q, s))
+        assert mq.pop("img_per_sec") > 0 and ms.pop("img_per_sec") > 0  # a timing: differs
+        assert mq == ms and len(mq) >= 8
+        dq, ds = (json.loads(_read(repo, "reports/metrics_detail.json", revs[x])) for x in (q, s))
+        dq["train"].pop("images_per_sec"), ds["train"].pop("images_per_sec")
+        assert dq == ds
+    assert _read(repo, "metrics.json", revs["q4"]) != _read(repo, "metrics.json", revs["q2"])
+
+
+def _experiments(repo: Path, env: dict) -> list[dict]:
+    out = []
+    for baseline in json.loads(run(repo, env, "dvc", "exp", "show", "--json")):
+        for exp_range in baseline.get("experiments") or []:
+            for e in exp_range["revs"]:
+                out.append({"name": exp_range.get("name") or e.get("name"), "rev": e["rev"]})
+    return out
+
+
+def _read(repo: Path, path: str, rev: str) -> bytes:
+    return dvc.api.read(path, repo=str(repo), rev=rev, mode="rb")
