@@ -5,6 +5,8 @@
 # what DVC would run, after a fresh clone, a `dvc checkout` or a `dvc exp apply` alike.
 import json
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +32,28 @@ def sync_stamps():
     return set(will_run)
 
 
+def recover_backups():
+    """Backups of git-tracked outputs left by a Snakemake that was killed while their job ran:
+    puts back what that job deleted, drops the rest (Snakemake refuses to back up over them)."""
+    if any(Path(".snakemake/locks").glob("*")):
+        return  # a running Snakemake's (or a stale lock, which `snakemake --unlock` clears first)
+    backups = Path(".snakemake/backups")
+    for o in (o for st in STAGES for o in st.outs if not o.cache):
+        backup, out = backups / o.path, Path(o.path)
+        if not backup.exists():
+            continue
+        if not out.exists():
+            shutil.move(backup, out)
+            print(f"{o.path}: restored from {backup} (its job was interrupted)", file=sys.stderr)
+        elif backup.is_dir():
+            shutil.rmtree(backup)
+        else:
+            backup.unlink()
+
+
 # Cluster job steps re-parse this file: only the main process asks DVC.
+if workflow.is_main_process:
+    recover_backups()
 WILL_RUN = sync_stamps() if workflow.is_main_process else {st.name for st in STAGES}
 
 
@@ -44,17 +67,32 @@ def stage_inputs(st):
     return files + [str(STAMP_DIR / f"{st.rule}.stamp")]
 
 
+def runs_jobs_here():
+    """This Snakemake runs the jobs' shell commands: a local run, or on SLURM the one inside the
+    job step. Only it has the backups; the Snakemakes that submit and wait for a SLURM job would
+    find none to restore, and keep-incomplete (profiles/slurm) stops them deleting the outputs."""
+    if workflow.is_main_process:
+        return workflow.resource_settings.cores is not None  # None: a cluster executor submits
+    return "SLURM_STEP_ID" in os.environ
+
+
 def stage_outputs(st):
     outs = []
     for o in st.outs:
         if o.persist:
             continue
         if o.is_dir:
-            outs.append(directory(o.path))
+            out = directory(o.path)
         elif o.kind in ("metrics", "plots"):
-            outs.append(report(o.path, category=o.kind, subcategory=st.name))
+            out = report(o.path, category=o.kind, subcategory=st.name)
         else:
-            outs.append(o.path)
+            out = o.path
+        if not o.cache and runs_jobs_here():
+            # Tracked by git (cache: false): no copy in DVC's cache, and DVC deletes a stage's
+            # outputs before its command runs. update() makes the Snakemake that runs the job
+            # keep them before it and put them back if it fails.
+            out = update(out)
+        outs.append(out)
     return outs
 
 
