@@ -20,7 +20,13 @@ with open("params.yaml") as _f:
         raise ValueError("Edit params.yaml (or use `dvc exp run -S key=value`) instead of --config overrides")
 
 
+include: "workflow/rules/slurm.smk"
 include: "workflow/rules/dvc_stages.smk"
+
+
+# On SLURM: stop before the first submission if a job could never start or be seen to end.
+onstart:
+    check_slurm_jobs()
 
 
 # `rule all` lives here: a default target set inside an included file is dropped.

@@ -30,7 +30,7 @@ WAIT_S=${LOCAL_SLURM_WAIT_S:-60}
 
 die() { echo "Error: $*" >&2; exit 1; }
 need_root() { [ "$(id -u)" = 0 ] || die "'$1' installs packages and starts daemons: run it as root (sudo $0 $1)"; }
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+alive() { [ -f "$1" ] && [ -d "/proc/$(cat "$1")" ]; }  # kill -0 fails for non-root
 ours() { [ -f "$CONF" ] && head -1 "$CONF" | grep -qF "$MARK"; }
 
 install() {

@@ -107,10 +107,12 @@ for st in STAGES:
             stage_outputs(st),
         params:
             stage=st.name,  # bound now: a loop variable read in shell: would be the last stage
-        threads: st.threads
+        threads: fitted_threads(st)  # dvc.yaml's, fitted to the partition on SLURM (slurm.smk)
         resources:
-            **st.resources,
+            **fitted_resources(st),
         log:
             f"logs/dvc/{st.rule}.log",
         shell:
-            "dvc --wait-for-lock repro --single-item {params.stage:q} > {log} 2>&1"
+            # dvc --wait-for-lock repro --single-item STAGE > LOG; on SLURM it also waits through
+            # SIGTERM for a training to checkpoint and requeues the job to resume
+            "bash workflow/scripts/dvc_stage.sh {params.stage:q} {log:q}"
