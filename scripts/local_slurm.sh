@@ -159,7 +159,7 @@ cmd_down() {
     return
   fi
   # Jobs first, so that their processes do not outlive slurmd.
-  if alive "$CTLD_PID"; then scancel --full --quiet -u "*" 2>/dev/null || scancel --quiet --state=RUNNING 2>/dev/null || true; fi
+  if alive "$CTLD_PID"; then squeue -h -o %i 2>/dev/null | xargs -r scancel 2>/dev/null || true; fi
   stop_daemon slurmd "$SLURMD_PID"
   stop_daemon slurmctld "$CTLD_PID"
   # munged only if we started it: other software on this machine may use it.

@@ -26,15 +26,16 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
 fi
 
 trap '' TERM
-[ "${SLURM_RESTART_COUNT:-0}" = 0 ] || echo "SLURM job $SLURM_JOB_ID, restart $SLURM_RESTART_COUNT (requeued)"
 dvc --wait-for-lock repro --single-item "$stage" > "$log" 2>&1
 rc=$?
 if [ $rc -ne 0 ] && grep -qE "exited with 130$" "$log"; then
   job=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null)
   if [[ " $job " == *" JobState=RUNNING "* && " $job " == *" Requeue=1 "* ]]; then
     echo "stage $stage stopped to resume: requeueing SLURM job $SLURM_JOB_ID" | tee -a "$log"
-    # The requeued job's Snakemake starts LOG afresh: this part is kept beside it.
-    cp "$log" "${log%.log}.slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}.log"
+    # The requeued job's Snakemake starts LOG afresh: this part is kept beside it, numbered as
+    # scontrol counts restarts (SLURM_RESTART_COUNT does not reach the job step's processes).
+    [[ " $job " =~ \ Restarts=([0-9]+)\  ]] && part=${BASH_REMATCH[1]} || part=0
+    cp "$log" "${log%.log}.slurm-$SLURM_JOB_ID-$part.log"
     if scontrol requeue "$SLURM_JOB_ID"; then
       trap - TERM
       sleep 3600 # SLURM ends this job now; nothing here may report a failure first
