@@ -7,7 +7,8 @@ repo on tiny params. What a user types: `snakemake --workflow-profile profiles/s
   (as `scontrol show job` reports them), metrics.json is written, `dvc status` is clean, `git
   status` shows only what a user commits, and a second submission submits nothing;
 - a job that fails leaves the git-tracked outputs as they were;
-- requests no node can run stop the run at once, naming the stage and the resource;
+- requests no node can run, and sacct as the status source without accounting, stop the run
+  at once, naming the stage and the resource;
 - a training stopped by `scancel --signal=TERM`, then by `--signal=TERM@60` before its time
   limit, checkpoints, requeues itself each time (same job: Restarts=2, COMPLETED) and ends
   bitwise equal to an uninterrupted run;
@@ -196,11 +197,14 @@ def test_failed_job_keeps_the_git_tracked_outputs(repo):
     run(repo, "git", "checkout", "params.yaml")
 
 
-def test_requests_no_node_can_run_stop_the_run_at_once(repo):
+def test_requests_no_node_can_run_and_a_blind_status_source_stop_the_run_at_once(repo):
     set_params(repo, train={"device": "cuda"})  # train and everything after it are to run
     start = time.time()
-    out = snakemake(repo, "--set-resources", "evaluate:cpus_per_task=64", check=False)
+    # The plugin's default sacct, here without accounting: it waited for ever, deaf to Ctrl-C.
+    out = snakemake(repo, "--set-resources", "evaluate:cpus_per_task=64", "--slurm-status-command", "sacct",
+                    check=False)
     assert time.time() - start < 120 and not submitted(out), out[-3000:]
+    assert "Error: this cluster keeps no accounting (AccountingStorageType=none), so sacct never reports" in out
     assert "Error: stage 'train' asks for 1 GPU(s) but partition 'debug' has no GPUs; train.device is 'cuda'" in out
     assert re.search(r"Error: stage 'evaluate' asks for 64 CPUs \(cpus_per_task\) but the largest node of partition "
                      r"'debug' has \d+", out), out[-3000:]
