@@ -17,6 +17,7 @@
 # It never touches a SLURM setup it did not write: an existing /etc/slurm/slurm.conf without
 # our marker line stops it. Every failure is one line starting with `Error:` and a non-zero exit.
 set -euo pipefail
+export PATH=$PATH:/usr/sbin:/sbin  # the daemons, for users whose PATH lacks them
 
 CONF=/etc/slurm/slurm.conf
 MARK="# Written by ddpmrepro scripts/local_slurm.sh"
@@ -36,7 +37,7 @@ ours() { [ -f "$CONF" ] && head -1 "$CONF" | grep -qF "$MARK"; }
 install() {
   local missing=()
   for cmd in slurmctld slurmd sinfo munged; do
-    command -v "$cmd" >/dev/null || PATH=$PATH:/usr/sbin command -v "$cmd" >/dev/null || missing+=("$cmd")
+    command -v "$cmd" >/dev/null || missing+=("$cmd")
   done
   [ ${#missing[@]} = 0 ] && return
   command -v apt-get >/dev/null || die "${missing[*]} missing and no apt-get here: install SLURM and munge with your package manager"
@@ -52,6 +53,7 @@ write_conf() {
   node=$(slurmd -C | head -1)
   [[ $node == NodeName=* ]] || die "slurmd -C printed no node line ($node)"
   host=${node%% *}; host=${host#NodeName=}
+  id slurm >/dev/null 2>&1 || die "no user 'slurm' (Debian's slurm packages create it): reinstall ${PACKAGES[*]}"
   mkdir -p /etc/slurm /var/lib/slurm/slurmctld /var/lib/slurm/slurmd /var/log/slurm
   chown slurm:slurm /var/lib/slurm/slurmctld /var/log/slurm
   local new
