@@ -32,7 +32,13 @@ with open("params.yaml") as _f:
 check_params_file("params.yaml", "reports/params" if workflow.is_main_process else None)
 
 
+include: "workflow/rules/slurm.smk"
 include: "workflow/rules/dvc_stages.smk"
+
+
+# On SLURM: stop before the first submission if a job could never start or be seen to end.
+onstart:
+    check_slurm_jobs()
 
 
 # `rule all` lives here: a default target set inside an included file is dropped.

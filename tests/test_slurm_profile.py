@@ -1,9 +1,12 @@
-"""profiles/slurm: the sbatch lines that snakemake-executor-plugin-slurm builds for each stage.
+"""profiles/slurm on a GPU cluster: what the real one-node cluster of test_slurm_cluster.py cannot show.
 
-There is no SLURM here. Real Snakemake runs the real Snakefile with the real profile and plugin
-in a temporary git + DVC repo; only `sbatch` (records its arguments, then fails) and `sacctmgr`
-(lists the account) are stand-ins. The expected values come from dvc.yaml's `meta.snakemake`,
-params.yaml and the profile, read here with plain YAML. Nothing is submitted or run.
+That cluster has no GPUs and one node, so the sbatch lines of GPU stages (--gpus, --cpus-per-gpu,
+--mem-per-cpu), the 2-node recipe of docs/CLUSTER.md and the refusal of more GPUs than a node has
+are checked here against stand-ins: real Snakemake runs the real Snakefile, profile and plugin
+in a temporary git + DVC repo, while `sbatch` (records its arguments, then fails), `sinfo` (two
+partitions: 2 nodes with 64 CPUs, 512 GB and 8 GPUs each; CPU nodes), `scontrol show config`
+and `sacctmgr` are stand-ins. The expected values come from dvc.yaml's `meta.snakemake` and
+params.yaml, read here with plain YAML. Nothing is submitted or run.
 """
 from __future__ import annotations
 
@@ -27,6 +30,13 @@ with open(os.environ["FAKE_SBATCH_LOG"], "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
 sys.exit("sbatch: error: a stand-in, not a cluster")
 """
+SINFO = """#!/bin/sh
+printf '%s\\n' 'gpu01|gpu*|64|512000|gpu:a100:8(S:0-1)' 'gpu02|gpu*|64|512000|gpu:a100:8(S:0-1)' 'cpu01|cpu|32|128000|(null)'
+"""
+SCONTROL = """#!/bin/sh
+printf '%s\\n' 'AccountingStorageType   = accounting_storage/slurmdbd' 'MinJobAge               = 300 sec'
+"""
+ACCOUNT = ["slurm_account=your_account", "slurm_partition=gpu"]  # what a user adds to the profile
 MULTI_NODE = ["train:nodes=2", "train:tasks=2", "train:mpi=srun", "train:gres=gpu:4", "train:gpu=0",
               "train:tasks_per_gpu=0"]  # the docs/CLUSTER.md recipe for 2 nodes x 4 GPUs
 
@@ -59,6 +69,8 @@ def repo(tmp_path_factory) -> Path:
     stubs.mkdir()
     (stubs / "sbatch").write_text(SBATCH)
     (stubs / "sacctmgr").write_text("#!/bin/sh\necho your_account\n")
+    (stubs / "sinfo").write_text(SINFO)
+    (stubs / "scontrol").write_text(SCONTROL)
     for f in stubs.iterdir():
         f.chmod(0o755)
     return repo
@@ -83,8 +95,9 @@ def place_outputs(repo: Path) -> None:
                     path.write_text("{}")
 
 
-def submit(repo: Path, changes: dict, *extra: str) -> dict[str, list[str]]:
-    """sbatch's arguments per rule, for a Snakemake run after `changes` to params.yaml."""
+def submit(repo: Path, changes: dict, *extra: str, refused: bool = False) -> dict[str, list[str]]:
+    """sbatch's arguments per rule, for a Snakemake run after `changes` to params.yaml (the
+    Snakemake output instead when `refused`: the Snakefile stopped it before any sbatch)."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     for key, value in changes.items():
         section, name = key.split(".")
@@ -95,9 +108,13 @@ def submit(repo: Path, changes: dict, *extra: str) -> dict[str, list[str]]:
     log = repo.parent / f"{repo.name}-sbatch.jsonl"
     log.unlink(missing_ok=True)
     stubs = repo.parent / f"{repo.name}-bin"
-    proc = run(repo, "snakemake", "--workflow-profile", "profiles/slurm", "--retries", "0", "--latency-wait", "0",
-               "--slurm-init-seconds-before-status-checks", "1", *extra, check=False,
+    proc = run(repo, "snakemake", "--workflow-profile", "profiles/slurm", "--default-resources", *ACCOUNT,
+               "--retries", "0", "--latency-wait", "0", "--slurm-init-seconds-before-status-checks", "1", *extra,
+               check=False,
                env={"FAKE_SBATCH_LOG": str(log), "PATH": f"{stubs}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}"})
+    if refused:
+        assert proc.returncode != 0 and not log.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout + proc.stderr
     assert "SLURM sbatch failed" in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     return {args[args.index("--comment") + 1].removeprefix("rule_"): args for args in calls}
@@ -114,15 +131,15 @@ def opt(args: list[str], name: str) -> str | None:
 
 
 def expected(stage: str) -> dict:
-    """Resources from the stage's meta in dvc.yaml over the profile's defaults; threads from the meta."""
+    """Resources from the stage's meta in dvc.yaml and the account and partition given; threads from the meta."""
     meta = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["meta"]["snakemake"]
-    profile = yaml.safe_load((ROOT / "profiles/slurm/profile.yaml").read_text())
-    return {**profile["default-resources"], **meta.get("resources", {}), "threads": meta.get("threads", 1)}
+    given = dict(a.split("=") for a in ACCOUNT)
+    return {**given, **meta.get("resources", {}), "threads": meta.get("threads", 1)}
 
 
 def check_common(args: list[str], want: dict) -> None:
     assert opt(args, "-A") == want["slurm_account"] and opt(args, "-p") == want["slurm_partition"]
-    assert opt(args, "-t") == str(want["runtime"]) and opt(args, "--mem") == str(want["mem_mb"])
+    assert opt(args, "-t") == str(want["runtime"])
     assert "--requeue" in args  # preempted jobs go back to the queue and resume from their checkpoint
 
 
@@ -130,19 +147,22 @@ def check_single_node_gpu(args: list[str], want: dict, gpus: int) -> None:
     check_common(args, want)
     assert opt(args, "--gpus") == str(gpus)
     assert opt(args, "--cpus-per-gpu") == str(want["cpus_per_gpu"])
+    assert opt(args, "--mem-per-cpu") == str(want["mem_mb_per_cpu"]) and opt(args, "--mem") is None
     # One task that runs torchrun --standalone: no task geometry (--ntasks-per-gpu would start one copy per GPU).
     assert not [a for a in args if a.startswith(("--ntasks", "--cpus-per-task", "--nodes", "--gres"))]
 
 
-def test_train_asks_for_train_nproc_gpus_and_cpu_stages_for_none(repo):
-    calls = submit(repo, {"train.nproc": 2, "evaluator.epochs": 2})
-    assert set(calls) == {"train", "fit_evaluator"}  # what the param changes made runnable
+def test_train_asks_for_train_nproc_gpus(repo):
+    calls = submit(repo, {"train.nproc": 2})
+    assert set(calls) == {"train"}  # what the param change made runnable
     check_single_node_gpu(calls["train"], expected("train"), gpus=2)
     assert "--target-jobs 'train:'" in calls["train"][-1]
-    cpu, want = calls["fit_evaluator"], expected("fit_evaluator")
-    check_common(cpu, want)
-    assert opt(cpu, "--cpus-per-task") == str(want["threads"]) and opt(cpu, "--ntasks") == "1"
-    assert opt(cpu, "--gpus") is None and opt(cpu, "--gres") is None
+    assert "--signal=TERM@300" in calls["train"]  # the SIGTERM that checkpoints and requeues before the limit
+
+
+def test_more_gpus_than_a_node_has_is_refused_before_any_submission(repo):
+    out = submit(repo, {"train.nproc": 16}, refused=True)
+    assert "Error: stage 'train' asks for 16 GPUs (gpu) but the largest node of partition 'gpu' has 8" in out
 
 
 def test_sample_asks_for_sample_nproc_gpus(repo):

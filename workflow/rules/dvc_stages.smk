@@ -5,6 +5,8 @@
 # what DVC would run, after a fresh clone, a `dvc checkout` or a `dvc exp apply` alike.
 import json
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +32,28 @@ def sync_stamps():
     return set(will_run)
 
 
+def recover_backups():
+    """Backups of git-tracked outputs left by a Snakemake that was killed while their job ran:
+    puts back what that job deleted, drops the rest (Snakemake refuses to back up over them)."""
+    if any(Path(".snakemake/locks").glob("*")):
+        return  # a running Snakemake's (or a stale lock, which `snakemake --unlock` clears first)
+    backups = Path(".snakemake/backups")
+    for o in (o for st in STAGES for o in st.outs if not o.cache):
+        backup, out = backups / o.path, Path(o.path)
+        if not backup.exists():
+            continue
+        if not out.exists():
+            shutil.move(backup, out)
+            print(f"{o.path}: restored from {backup} (its job was interrupted)", file=sys.stderr)
+        elif backup.is_dir():
+            shutil.rmtree(backup)
+        else:
+            backup.unlink()
+
+
 # Cluster job steps re-parse this file: only the main process asks DVC.
+if workflow.is_main_process:
+    recover_backups()
 WILL_RUN = sync_stamps() if workflow.is_main_process else {st.name for st in STAGES}
 
 
@@ -44,17 +67,32 @@ def stage_inputs(st):
     return files + [str(STAMP_DIR / f"{st.rule}.stamp")]
 
 
+def runs_jobs_here():
+    """This Snakemake runs the jobs' shell commands: a local run, or on SLURM the one inside the
+    job step. Only it has the backups; the Snakemakes that submit and wait for a SLURM job would
+    find none to restore, and keep-incomplete (profiles/slurm) stops them deleting the outputs."""
+    if workflow.is_main_process:
+        return workflow.resource_settings.cores is not None  # None: a cluster executor submits
+    return "SLURM_STEP_ID" in os.environ
+
+
 def stage_outputs(st):
     outs = []
     for o in st.outs:
-        # `persist` outs too (check_params'): they connect the DAG. Snakemake removes them
-        # before the job, which is harmless: the Snakefile validated params.yaml at parse time.
+        # `persist` outs too (check_params'): they connect the DAG.
         out = directory(o.path) if o.is_dir else o.path
         # `meta.snakemake.report` in dvc.yaml: what `snakemake --report` shows, with its caption.
         spec = dict(st.report.get(o.path) or {})
         if "caption" in spec:  # report() reads a caption relative to this file; dvc.yaml's are from the root
             spec["caption"] = str(Path(spec["caption"]).resolve())
-        outs.append(report(out, **spec) if spec else out)
+        if spec:
+            out = report(out, **spec)
+        if not o.cache and runs_jobs_here():
+            # Tracked by git (cache: false): no copy in DVC's cache, and DVC deletes a stage's
+            # outputs before its command runs. update() makes the Snakemake that runs the job
+            # keep them before it and put them back if it fails.
+            out = update(out)
+        outs.append(out)
     return outs
 
 
@@ -69,11 +107,13 @@ for st in STAGES:
             stage_outputs(st),
         params:
             stage=st.name,  # bound now: a loop variable read in shell: would be the last stage
-        threads: st.threads
+        threads: fitted_threads(st)  # dvc.yaml's, fitted to the partition on SLURM (slurm.smk)
         localrule: st.local
         resources:
-            **st.resources,
+            **fitted_resources(st),
         log:
             f"logs/dvc/{st.rule}.log",
         shell:
-            "dvc --wait-for-lock repro --single-item {params.stage:q} > {log} 2>&1"
+            # dvc --wait-for-lock repro --single-item STAGE > LOG; on SLURM it also waits through
+            # SIGTERM for a training to checkpoint and requeues the job to resume
+            "bash workflow/scripts/dvc_stage.sh {params.stage:q} {log:q}"

@@ -30,6 +30,7 @@ class Out:
     kind: str  # outs | metrics | plots
     is_dir: bool = False
     persist: bool = False
+    cache: bool = True  # false: tracked by git, not by DVC's cache
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def load_stages(root: str | os.PathLike = ".") -> list[StageSpec]:
             for o in stage.outs:
                 kind = "metrics" if o.metric else "plots" if o.plot else "outs"
                 is_dir = o.def_path in hinted_dirs or (root / o.def_path).is_dir()
-                outs.append(Out(o.def_path, kind, is_dir, bool(o.persist)))
+                outs.append(Out(o.def_path, kind, is_dir, bool(o.persist), bool(o.use_cache)))
             cmd = stage.cmd if isinstance(stage.cmd, str) else " && ".join(stage.cmd)
             specs.append(StageSpec(
                 name=stage.name, rule=rule_name(stage.name), cmd=cmd, deps=deps, outs=outs,
