@@ -168,15 +168,19 @@ def test_pipeline_runs_as_slurm_jobs_with_each_stages_resources(repo):
     # train and sample ask for train.nproc GPUs in dvc.yaml; this partition has none
     assert "train: partition 'debug' has no GPUs: its 1 process(es) run on" in out
     metrics = json.loads((repo / "metrics.json").read_text())
-    assert isinstance(metrics["class_accuracy"], float) and metrics["n_gen"] == 30
+    detail = json.loads((repo / "reports/metrics_detail.json").read_text())
+    assert isinstance(metrics["class_acc"], float) and detail["samples"]["n_gen"] == 30
     assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
     # git sees what a user commits after a run (docs/CLUSTER.md), and nothing else
     status = run(repo, "git", "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
     changed = {line[3:] for line in status}
-    commit = {"dvc.lock", "metrics.json", "data/.gitignore", "models/.gitignore", "reports/.gitignore"}
-    assert {p for p in changed if not p.startswith("reports/train/live/")} == commit, status
+    commit = {"dvc.lock", "metrics.json", "reports/metrics_detail.json", "reports/metrics.html",
+              "data/.gitignore", "models/.gitignore", "reports/.gitignore", "reports/train/live/.gitignore"}
+    folders = ("reports/train/live/plots/", "reports/params/")  # dvclive's series; params resolved per section
+    assert {p for p in changed if not p.startswith(folders)} == commit, status
+    assert {p.split("/")[1] for p in changed if p.startswith(folders)} == {"train", "params"}, status
     assert not [p for p in changed if ".snakemake" in p or p.startswith("logs/")], status
-    run(repo, "git", "add", *commit, "reports/train/live")
+    run(repo, "git", "add", *commit, *folders)
     run(repo, "git", "commit", "-qm", "results")
     assert run(repo, "git", "status", "--porcelain", "--untracked-files=all").stdout == ""
 
@@ -187,14 +191,22 @@ def test_second_submission_submits_nothing(repo):
 
 
 def test_failed_job_keeps_the_git_tracked_outputs(repo):
-    tracked = {p: (repo / p).read_bytes() for p in run(repo, "git", "ls-files", "metrics.json", "reports/train/live").stdout.split()}
-    assert "reports/train/live/metrics.json" in tracked and "reports/train/live/plots/metrics/loss.tsv" in tracked
-    set_params(repo, train={"lr": -1.0})  # train exits 2 at startup: its DVC stage fails after DVC removed its outputs
+    tracked = {p: (repo / p).read_bytes()
+               for p in run(repo, "git", "ls-files", "metrics.json", "reports/train/live").stdout.split()}
+    assert "metrics.json" in tracked and "reports/train/live/plots/metrics/loss.tsv" in tracked
+    # A valid params.yaml (a bad one stops Snakemake before any job) whose pattern matches no parameter
+    # of the model: train exits 2 at startup, after DVC removed the stage's outputs.
+    set_params(repo, introspect={"params": ["no_such_layer.*"]})
     out = snakemake(repo, "--retries", "0", check=False)
     assert job_info(submitted(out)["train"])["JobState"] == "FAILED", out[-3000:]
-    assert run(repo, "git", "status", "--porcelain").stdout.split() == ["M", "params.yaml"]
+    assert "matches no parameter" in (repo / "logs/dvc/train.log").read_text()
+    changed = sorted(line[3:] for line in run(repo, "git", "status", "--porcelain").stdout.splitlines())
+    # check_params ran (a local rule) and DVC recorded it; the train stage's record is as it was
+    assert changed == ["dvc.lock", "params.yaml", "reports/params/introspect.yaml"], changed
+    committed_lock = yaml.safe_load(run(repo, "git", "show", "HEAD:dvc.lock").stdout)
+    assert yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["train"] == committed_lock["stages"]["train"]
     assert {p: (repo / p).read_bytes() for p in tracked} == tracked
-    run(repo, "git", "checkout", "params.yaml")
+    run(repo, "git", "checkout", "dvc.lock", "params.yaml", "reports/params")
 
 
 def test_requests_no_node_can_run_and_a_blind_status_source_stop_the_run_at_once(repo):
@@ -208,7 +220,7 @@ def test_requests_no_node_can_run_and_a_blind_status_source_stop_the_run_at_once
     assert "Error: stage 'train' asks for 1 GPU(s) but partition 'debug' has no GPUs; train.device is 'cuda'" in out
     assert re.search(r"Error: stage 'evaluate' asks for 64 CPUs \(cpus_per_task\) but the largest node of partition "
                      r"'debug' has \d+", out), out[-3000:]
-    run(repo, "git", "checkout", "params.yaml")
+    run(repo, "git", "checkout", "params.yaml", "reports/params")
 
 
 # --- preemption -----------------------------------------------------------------------------------
@@ -306,6 +318,7 @@ def test_training_stopped_by_scancel_and_by_its_time_limit_requeues_and_resumes_
     env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(repo / "src"),
            "DVC_NO_ANALYTICS": "1"}
     out_path = repo.parent / "snakemake_train.log"
+    (repo / "logs/dvc/train.log").unlink(missing_ok=True)  # an earlier test's: its steps are not this training's
     with open(out_path, "w") as out:
         # SIGTERM 60 s before the time limit, as the profile's 300 s would be for a real training.
         proc = subprocess.Popen(["snakemake", "train", "--workflow-profile", "profiles/slurm", *ACCOUNT,
@@ -358,7 +371,7 @@ def test_ddp_in_an_sbatch_allocation_equals_the_run_outside_slurm(repo):
     (repo.parent / "ddp.yaml").write_text(yaml.safe_dump(params))
 
     def train(out: Path) -> list[str]:
-        return [sys.executable, "-m", "ddpmrepro.cli", "train", "--params", str(repo.parent / "ddp.yaml"),
+        return [sys.executable, "-m", "ddpmrepro.cli", "-v", "train", "--params", str(repo.parent / "ddp.yaml"),
                 "--data", "data/prepared", "--out", str(out / "model"), "--live", str(out / "live"),
                 "--introspect", str(out / "introspect"), "--checkpoints", str(out / "ckpt")]
     inside, outside = repo.parent / "ddp_inside", repo.parent / "ddp_outside"
