@@ -377,11 +377,12 @@ def test_recorded_grad_norms_are_measured_before_clipping(tmp_path, prepared):
     assert from_rows.values == pytest.approx(steps["total_grad_norm"].values, rel=1e-5)
 
 
-FAILING_RANK_ENTRY = '''
-import os, sys
-import ddpmrepro.train as T
-
-if os.environ["RANK"] == "1":  # inject a failure into rank 1's third training step
+def rank1_fails_in_step_3(exception: str) -> str:
+    """Python source that makes rank 1's third training step raise `exception` (an expression)."""
+    return f'''
+import os
+if os.environ.get("RANK") == "1":
+    import ddpmrepro.train as T
     real = T.diffusion_from_params
 
     def broken(*args, **kwargs):
@@ -391,15 +392,18 @@ if os.environ["RANK"] == "1":  # inject a failure into rank 1's third training s
         def training_losses(*a, **k):
             calls[0] += 1
             if calls[0] == 3:
-                raise RuntimeError("injected failure on rank 1")
+                raise {exception}
             return clean(*a, **k)
         diffusion.training_losses = training_losses
         return diffusion
     T.diffusion_from_params = broken
+'''
 
+
+FAILING_RANK_ENTRY = rank1_fails_in_step_3('RuntimeError("injected failure on rank 1")') + """
 from ddpmrepro.cli import main
 main()
-'''
+"""
 
 
 @pytest.mark.slow
@@ -702,25 +706,7 @@ def test_killing_the_launcher_or_its_process_group_leaves_no_worker_and_the_reru
 
 
 # A failure inside a worker that is not a user error: rank 1 crashes in its third training step.
-CRASH_SITECUSTOMIZE = """
-import os
-if os.environ.get("RANK") == "1":
-    import ddpmrepro.train as T
-    real = T.diffusion_from_params
-
-    def broken(*args, **kwargs):
-        diffusion = real(*args, **kwargs)
-        clean, calls = diffusion.training_losses, [0]
-
-        def training_losses(*a, **k):
-            calls[0] += 1
-            if calls[0] == 3:
-                raise KeyError("injected bug")
-            return clean(*a, **k)
-        diffusion.training_losses = training_losses
-        return diffusion
-    T.diffusion_from_params = broken
-"""
+CRASH_SITECUSTOMIZE = rank1_fails_in_step_3('KeyError("injected bug")')
 
 
 def damaged_data(tmp_path: Path, prepared: Path) -> Path:
