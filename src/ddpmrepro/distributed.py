@@ -28,6 +28,11 @@ def init(device_type: str) -> None:
         # Host-side flags (the per-step stop request) go over gloo: an NCCL all-reduce of a CUDA
         # tensor read back with .item() would make the host wait for the GPU at every step.
         _CONTROL_GROUP = dist.new_group(backend="gloo") if backend == "nccl" else None
+        # A rank leaves init_process_group once its own gloo connections are up, while a slower peer
+        # may still be making its own; if the first then fails at once (a batch too large for the
+        # data, say) and exits, the peer's C++ side prints "connectFullMesh failed ... closed by
+        # peer" over the one-line error. Nobody goes on until everybody is connected.
+        dist.barrier(group=_CONTROL_GROUP)
 
 
 def rank() -> int:
