@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 from . import slots
@@ -43,11 +42,7 @@ class CpuSlotsError(slots.SlotsError):
 
 
 def lock_dir(env=os.environ) -> Path:
-    if env.get("DDPMREPRO_CPU_LOCK_DIR"):
-        base = Path(env["DDPMREPRO_CPU_LOCK_DIR"])
-    else:
-        base = Path(env.get("TMPDIR") or tempfile.gettempdir()) / f"ddpmrepro-cpus-{os.getuid()}"
-    return base / f"slurm-{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else base
+    return slots.lock_dir("cpus", env)
 
 
 def usable_cores() -> list[int]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 from . import slots
@@ -39,11 +38,7 @@ class GpuSlotsError(slots.SlotsError):
 
 
 def lock_dir(env=os.environ) -> Path:
-    if env.get("DDPMREPRO_GPU_LOCK_DIR"):
-        base = Path(env["DDPMREPRO_GPU_LOCK_DIR"])
-    else:
-        base = Path(env.get("TMPDIR") or tempfile.gettempdir()) / f"ddpmrepro-gpus-{os.getuid()}"
-    return base / f"slurm-{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else base
+    return slots.lock_dir("gpus", env)
 
 
 def pool(device_count: int, env=os.environ) -> list[str]:

@@ -30,6 +30,20 @@ class SlotsError(RuntimeError):
     """No free set within the timeout, or the lock directory is unusable (one line)."""
 
 
+def lock_dir(kind: str, env=os.environ) -> Path:
+    """Where the `kind` ("gpus", "cpus") locks of this machine live: $DDPMREPRO_<KIND>_LOCK_DIR, else
+    one directory per user under TMPDIR. Inside a SLURM job, a subdirectory of the job's own: SLURM
+    already gave the job its devices and cores, and jobs sharing a node must not queue on each other."""
+    override = env.get(f"DDPMREPRO_{kind[:-1].upper()}_LOCK_DIR")
+    if override:
+        base = Path(override)
+    else:
+        import tempfile
+
+        base = Path(env.get("TMPDIR") or tempfile.gettempdir()) / f"ddpmrepro-{kind}-{os.getuid()}"
+    return base / f"slurm-{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else base
+
+
 def lock_path(directory: Path, prefix: str, name: str) -> Path:
     return Path(directory) / f"{prefix}{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.lock"
 

@@ -511,7 +511,10 @@ def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version,
         "params": params.to_dict(), "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels",
                                                                         "class_names")},
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
-        "ema_rates": list(emas), "final": summary, "torch": torch.__version__,
+        # The last logged values, without the throughput: a timing would give the model directory a
+        # new hash on every rerun of the same training (it stays in dvclive's files and metrics.json).
+        "ema_rates": list(emas), "final": {k: v for k, v in summary.items() if k != "images_per_sec"},
+        "torch": torch.__version__,
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if model_dir.exists():
