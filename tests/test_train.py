@@ -172,7 +172,12 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path, prepared, straight_runs,
     # nothing in it measures time, so a rerun of the train stage gives DVC the same hash.
     def files(model: Path) -> dict[str, bytes]:
         return {f.name: f.read_bytes() for f in sorted(model.iterdir())}
-    assert files(straight_runs(nproc) / "model") == files(tmp_path / "resumed" / "model")
+    exported = files(tmp_path / "resumed" / "model")
+    assert files(straight_runs(nproc) / "model") == exported
+    # So does a rerun with no step left (`dvc repro -f`): it resumes from the last checkpoint and exports again.
+    run_train(tmp_path / "resumed", prepared, params, nproc)
+    assert files(tmp_path / "resumed" / "model") == exported
+    assert json.loads(exported["config.json"])["final"]["step"] == 8
     # the gradient tables of the resumed run hold every recorded step exactly once
     import pandas as pd
 

@@ -207,6 +207,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     emas = {rate: init_ema(raw_model) for rate in p.ema_rates}
     sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps)
     ema_updates, skipped_steps, start_step, log_sums = 0, 0, 0, None
+    last_summary: dict = {}  # the last logged values: exported with the model, kept by a rerun that has no step left
 
     # Gradient recorders: their patterns are checked against this model here, before anything is written.
     try:
@@ -259,6 +260,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             # rank 0 carries all of them; the data order differs then anyway).
             sums = state["log_sums"]
             log_sums = sums[rank] if len(sums) == world else sums.sum(0) * (rank == 0)
+            last_summary = state.get("summary", {})  # absent before 2026-11-23; other code versions are refused above
             if main:
                 log.info("resuming from %s (step %d)", latest, start_step)
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else raw_model
@@ -317,7 +319,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         saved_step = start_step
         t_last, imgs_since = time.perf_counter(), 0
         progress = _progress(main, start_step, p.steps)
-        summary: dict = {}
+        summary: dict = last_summary
 
         ip = params.introspect
         with StopRequest() as stop, act_rec, batches:
@@ -443,7 +445,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                         "step": done, "model": raw_model.state_dict(), "optimizer": opt.state_dict(),
                         "scaler": scaler.state_dict(), "ema": {str(r): e for r, e in emas.items()},
                         "sampler": sampler.state_dict(), "ema_updates": ema_updates,
-                        "skipped_steps": skipped_steps, "log_sums": sums, "rng": {"torch": torch.get_rng_state()},
+                        "skipped_steps": skipped_steps, "log_sums": sums, "summary": _without_timing(summary),
+                        "rng": {"torch": torch.get_rng_state()},
                         "run_hash": run_id, "code_version": version, "params": params.to_dict(),
                     }
                     if main:
@@ -498,6 +501,12 @@ def _agree(flag: bool) -> bool:
     return D.all_reduce_max(float(flag)) > 0
 
 
+def _without_timing(summary: dict) -> dict:
+    """The logged values without the throughput: a timing would give the model directory (and the
+    checkpoints) new bytes on every rerun of the same training. It stays in dvclive's files and metrics.json."""
+    return {k: v for k, v in summary.items() if k != "images_per_sec"}
+
+
 def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary) -> None:
     import shutil
 
@@ -511,10 +520,7 @@ def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version,
         "params": params.to_dict(), "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels",
                                                                         "class_names")},
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
-        # The last logged values, without the throughput: a timing would give the model directory a
-        # new hash on every rerun of the same training (it stays in dvclive's files and metrics.json).
-        "ema_rates": list(emas), "final": {k: v for k, v in summary.items() if k != "images_per_sec"},
-        "torch": torch.__version__,
+        "ema_rates": list(emas), "final": _without_timing(summary), "torch": torch.__version__,
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if model_dir.exists():
