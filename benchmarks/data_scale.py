@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
+from timing import fmt_ratio, machine_state, spread, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = 10
@@ -333,8 +334,12 @@ def paired_step_time(a, prepared: Path, work: Path) -> dict:
            "reader_thread_cpu_s_per_run": CLOCK.reader_cpu}
     for name, t in (("step_time", wall), ("cpu_time", cpu)):
         ratios = [s / m for s, m in zip(t["shards"], t["memory"])]
+        summary = spread(ratios)  # with the 95% interval of the median: resolves the target or says it cannot
         out.update({f"{name}_ratio_per_round": ratios, f"{name}_ratio_median": statistics.median(ratios),
-                    f"{name}_ratio_min": min(ratios), f"{name}_ratio_max": max(ratios)})
+                    f"{name}_ratio_min": min(ratios), f"{name}_ratio_max": max(ratios),
+                    f"{name}_ratio": summary, f"{name}_target_1.05": verdict(summary, 1.05)})
+        print(f"  {name} shards / memory: {fmt_ratio(summary)}: {verdict(summary, 1.05)}", flush=True)
+    out["machine_after"] = machine_state()
     return out
 
 

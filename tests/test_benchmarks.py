@@ -266,6 +266,8 @@ def test_data_scale_benchmark_measures_every_stage_and_writes_its_json(tmp_path)
     for name, key in (("step_time", "step_s_median_per_round"), ("cpu_time", "main_thread_cpu_s_median_per_round")):
         shards, memory = st[key]["shards"][0], st[key]["memory"][0]
         assert shards > 0 and memory > 0 and st[f"{name}_ratio_per_round"] == [pytest.approx(shards / memory)]
+        assert st[f"{name}_ratio"]["median"] == pytest.approx(shards / memory)
+        assert st[f"{name}_target_1.05"].startswith("unresolved (too few rounds")  # one round has no interval
     assert len(st["reader_thread_cpu_s_per_run"]) == 1 and st["threads"] == 1
     assert s["dvc"]["link_counts"] == [3]  # the benchmark's copy, the repo's workspace and DVC's cache: one inode
     assert s["dvc"]["repo_bytes_on_disk"] < 1.5 * s["dvc"]["data_bytes"]
