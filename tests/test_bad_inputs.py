@@ -417,7 +417,9 @@ def test_a_second_process_training_into_the_same_run_is_refused(run):
     with RunLock(ckpt_dir):  # this process is "training" into it
         proc = subprocess.run([sys.executable, "-m", "ddpmrepro.cli", "train", "--params", "params.yaml",
                                *STAGE_ARGS["train"]], capture_output=True, text=True, cwd=run,
-                              env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+                              # No core slots: another ddpmrepro job on this machine would make it wait first.
+                              env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                                   "DDPMREPRO_CPU_SLOTS": "0"},
                               timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [f"Error: {ckpt_dir.relative_to(run)}: another process is training into "
