@@ -334,10 +334,9 @@ def paired_step_time(a, prepared: Path, work: Path) -> dict:
            "reader_thread_cpu_s_per_run": CLOCK.reader_cpu}
     for name, t in (("step_time", wall), ("cpu_time", cpu)):
         ratios = [s / m for s, m in zip(t["shards"], t["memory"])]
-        summary = spread(ratios)  # with the 95% interval of the median: resolves the target or says it cannot
-        out.update({f"{name}_ratio_per_round": ratios, f"{name}_ratio_median": statistics.median(ratios),
-                    f"{name}_ratio_min": min(ratios), f"{name}_ratio_max": max(ratios),
-                    f"{name}_ratio": summary, f"{name}_target_1.05": verdict(summary, 1.05)})
+        summary = spread(ratios)  # median, min-max, IQR and the 95% interval that resolves the target or cannot
+        out.update({f"{name}_ratio_per_round": ratios, f"{name}_ratio": summary,
+                    f"{name}_target_1.05": verdict(summary, 1.05)})
         print(f"  {name} shards / memory: {fmt_ratio(summary)}: {verdict(summary, 1.05)}", flush=True)
     out["machine_after"] = machine_state()
     return out
@@ -442,9 +441,9 @@ def main() -> None:
         "prepare_peak_pss_tree_ratio": hi["prepare"]["peak_pss_mb_tree"] / lo["prepare"]["peak_pss_mb_tree"],
         "train_peak_rss_ratio_largest_vs_smallest": hi["train"]["peak_rss_mb"] / lo["train"]["peak_rss_mb"],
         "prepare_minutes_largest": hi["prepare"]["seconds"] / 60,
-        "step_time_ratio_medians": {r["n"]: r["step_time"]["step_time_ratio_median"] for r in results
+        "step_time_ratio_medians": {r["n"]: r["step_time"]["step_time_ratio"]["median"] for r in results
                                     if "step_time" in r},
-        "main_thread_cpu_ratio_medians": {r["n"]: r["step_time"]["cpu_time_ratio_median"] for r in results
+        "main_thread_cpu_ratio_medians": {r["n"]: r["step_time"]["cpu_time_ratio"]["median"] for r in results
                                           if "step_time" in r},
     }
     result = {
@@ -462,7 +461,7 @@ def main() -> None:
         print(f"N={r['n']:>8}: prepare {p['images_per_s']:7.0f} img/s, RSS main {p['peak_rss_mb_main']:6.0f} MB "
               f"(workers {p['peak_rss_mb_worker']:5.0f} MB, tree PSS {p['peak_pss_mb_tree']:6.0f} MB); load cold "
               f"{ld['cold']['load_prepared_s']:.2f} s, warm {ld['warm']['load_prepared_s']:.2f} s; train RSS "
-              f"{t['peak_rss_mb']:6.0f} MB; step time shards/memory {st.get('step_time_ratio_median', float('nan')):.3f}")
+              f"{t['peak_rss_mb']:6.0f} MB; step time shards/memory {st['step_time_ratio']['median'] if st else float('nan'):.3f}")
     print(json.dumps(summary, indent=2))
 
 

@@ -57,6 +57,7 @@ def test_a_process_group_kill_of_two_process_sampling_leaves_no_worker(tmp_path,
     kill_train.train_in_process(raw, data, root / "trained")
     proc = subprocess.Popen(kill_train.sample_command(root, root / "samples", 2), env=kill_train.env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
     def workers() -> list:
         found = []
         for p in psutil.Process(proc.pid).children(recursive=True):

@@ -263,8 +263,9 @@ def signal_diagnosis(pid: int, job: str, log: Path) -> str:
         lines.append(f"pid {p} ({fields}): {cmd}")
         p = int(status["PPid"])
     lines.append(subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout)
-    tail = lambda f: "\n".join(Path(f).read_text(errors="replace").splitlines()[-15:]) if Path(f).exists() else f"{f}: none"
-    return "\n".join([*lines, tail(log), tail("/var/log/slurm/slurmd.log")])
+    for f in (log, Path("/var/log/slurm/slurmd.log")):
+        lines += f.read_text(errors="replace").splitlines()[-15:] if f.exists() else [f"{f}: none"]
+    return "\n".join(lines)
 
 
 def wait_for(cond, what: str, timeout: float = 600):
