@@ -225,11 +225,16 @@ def test_requests_no_node_can_run_and_a_blind_status_source_stop_the_run_at_once
 
 # --- preemption -----------------------------------------------------------------------------------
 def find_training(repo: Path) -> int:
-    """The pid of the `ddpmrepro train` process that DVC started in this repo (train.nproc 1)."""
+    """The pid of the `ddpmrepro train` process that DVC started in this repo (train.nproc 1).
+    DVC runs the stage's command with $SHELL, or /bin/sh where SHELL is unset (as in CI); dash,
+    unlike bash, does not exec the command, so a `/bin/sh -c "... ddpmrepro.cli train ..."` stays
+    above the training. That shell ignores SIGTERM (dvc_stage.sh's trap, inherited): freezing it
+    instead of the training waits for a signal that can never be pending."""
     for pid in subprocess.run(["pgrep", "-f", "ddpmrepro.cli train --data"], capture_output=True,
                               text=True).stdout.split():
         try:
-            if Path(f"/proc/{pid}/cwd").resolve() == repo.resolve():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if argv[1:3] == [b"-m", b"ddpmrepro.cli"] and Path(f"/proc/{pid}/cwd").resolve() == repo.resolve():
                 return int(pid)
         except OSError:
             continue
@@ -291,16 +296,9 @@ def stop_with(repo: Path, job: str, send_term, restarts: int) -> str:
     try:
         send_term()
         try:
-            wait_for(lambda: term_delivered(pid), "SLURM's SIGTERM", timeout=150)
-        except AssertionError:
-            # Once in a CI run under heavy load the signal never came (the step was signalled, the
-            # frozen training had nothing pending). Ask again, once; a signal that never reaches
-            # the training fails here still, with what the process and SLURM looked like.
-            send_term()
-            try:
-                wait_for(lambda: term_delivered(pid), "SLURM's SIGTERM (asked twice)", timeout=150)
-            except AssertionError as e:
-                raise AssertionError(f"{e}\n{signal_diagnosis(pid, job, log)}") from None
+            wait_for(lambda: term_delivered(pid), "SLURM's SIGTERM", timeout=300)
+        except AssertionError as e:  # with what the process tree and SLURM looked like
+            raise AssertionError(f"{e}\n{signal_diagnosis(pid, job, log)}") from None
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
