@@ -184,7 +184,7 @@ LOAD_PROBE = r"""
 import json, sys, time, numpy as np
 t0 = time.perf_counter()
 from ddpmrepro.data import load_prepared
-from ddpmrepro.data.loader import TrainBatches
+from ddpmrepro.training.batches import TrainBatches
 from ddpmrepro.data.verify import Verifier, sha256_file
 t_import = time.perf_counter()
 v = Verifier()
@@ -248,7 +248,7 @@ CLOCK = StepClock()
 
 
 def _timed_shards():
-    from ddpmrepro.data.loader import TrainBatches
+    from ddpmrepro.training.batches import TrainBatches
 
     class TimedBatches(TrainBatches):
         """The library's read-ahead, with the clock marks and the thread's own CPU time."""
@@ -273,7 +273,7 @@ class InMemoryBatches:
     images = None  # set once per N, outside the timed blocks
 
     def __init__(self, images, *, batch_size, world, rank, seed, device=None):
-        from ddpmrepro.data.loader import epoch_order
+        from ddpmrepro.training.batches import epoch_order
 
         self.order, self.batch_size, self.n, self.seed = epoch_order, batch_size, len(images), seed
         self.per_epoch = (self.n // world) // batch_size
@@ -300,7 +300,7 @@ def paired_step_time(a, prepared: Path, work: Path) -> dict:
     import torch
 
     from ddpmrepro import params as P
-    from ddpmrepro import train as T
+    from ddpmrepro.training import loop as T
     from ddpmrepro.data import load_prepared
 
     if a.threads:

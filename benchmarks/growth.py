@@ -6,7 +6,7 @@
 
 For each (preset, image size): the UNet's parameters, the FLOPs of one training step per image
 (forward + backward, counted by torch.utils.flop_counter), and ddpmrepro's measured training
-throughput (`ddpmrepro.train.train()`, introspection off, one run per row kept alive for the whole
+throughput (`ddpmrepro.training.loop.train()`, introspection off, one run per row kept alive for the whole
 benchmark). Rows are timed in benchmarks/timing.py's paired rounds: each round one block of every
 row in random order, so the step-time ratio of each row to the first row (the smallest) comes
 with its spread over rounds and can be read against the FLOP ratio. Achieved FLOP/s = FLOPs x
@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ddpmrepro import params as P
 from ddpmrepro.data import prepare
-from ddpmrepro.unet import PRESETS, build_unet
+from ddpmrepro.model.unet import PRESETS, build_unet
 
 from train_step import DdpmreproLoop, bench_params, cuda_sync, train_paths  # noqa: E402  (benchmarks/ is on sys.path)
 from results_io import command_line, write_result

@@ -31,14 +31,14 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from ddpmrepro.introspect import ActivationGradRecorder, ParamGradRecorder, TableWriter
+from ddpmrepro.training.introspect import ActivationGradRecorder, ParamGradRecorder, TableWriter
 from ddpmrepro.params import IntrospectParams, ModelParams
 
 MODES = ("none", "off", "params", "params_noratio", "acts", "both")
 
 
 def build_model(num_classes: int):
-    from ddpmrepro.unet import build_unet
+    from ddpmrepro.model.unet import build_unet
     return build_unet(ModelParams(preset="tiny"), image_size=8, in_channels=1, num_classes=num_classes,
                       learn_sigma=False)
 
@@ -180,7 +180,7 @@ def main() -> None:
         memory = memory_run(a.mem_batch, a.mem_steps, 20, Path(d)) if a.mem_steps else None
     n_params = sum(p.numel() for p in build_model(10).parameters())
     result = {
-        "model": "ddpmrepro.unet.build_unet preset tiny, 1x8x8, 10 classes", "model_params": n_params,
+        "model": "ddpmrepro.model.unet.build_unet preset tiny, 1x8x8, 10 classes", "model_params": n_params,
         "batch": a.batch, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(), "cpu_count": psutil.cpu_count(),
         "load_avg_at_end": list(psutil.getloadavg()), "quick": a.quick,

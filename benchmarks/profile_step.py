@@ -31,7 +31,7 @@ import torch
 
 from ddpmrepro import params as P
 from ddpmrepro.data import prepare
-import ddpmrepro.train as ddpm_train
+import ddpmrepro.training.loop as ddpm_train
 import train_step  # benchmarks/ is on sys.path
 from train_step import DdpmreproLoop, PlainLoop, bench_params, train_paths
 

@@ -6,7 +6,7 @@
     PYTHONPATH=src python benchmarks/sample_speed.py --device cuda --preset ddpm-cifar10 --image-size 32 --channels 3
 
 For each sampler, two contenders on one model (random weights: speed does not depend on them):
-  ddpmrepro  `ddpmrepro.sample.generate`: per-image seeded noise, classifier-free guidance (one
+  ddpmrepro  `ddpmrepro.evaluation.sample.generate`: per-image seeded noise, classifier-free guidance (one
              doubled batch), the diffusion update, uint8 conversion: what `ddpmrepro sample` runs
   bare       the same number of UNet forward passes on the same doubled batch, nothing else
 A block is one whole sampling run of a batch. Timing: benchmarks/timing.py's paired rounds
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from ddpmrepro import params as P
-from ddpmrepro.diffusion import from_params
-from ddpmrepro.sample import generate
-from ddpmrepro.unet import PRESETS, build_unet
+from ddpmrepro.model.diffusion import from_params
+from ddpmrepro.evaluation.sample import generate
+from ddpmrepro.model.unet import PRESETS, build_unet
 from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
 from timing import fmt_ratio, paired_rounds, verdict
 

@@ -20,11 +20,11 @@ import time
 import torch
 
 from ddpmrepro import params as P
-from ddpmrepro.diffusion import from_params
-from ddpmrepro.introspect import ActivationGradRecorder
-from ddpmrepro.timestep_sampler import create_sampler
-from ddpmrepro.train import example_draws, step_seed
-from ddpmrepro.unet import build_unet
+from ddpmrepro.model.diffusion import from_params
+from ddpmrepro.training.introspect import ActivationGradRecorder
+from ddpmrepro.training.timestep_sampler import create_sampler
+from ddpmrepro.training.loop import example_draws, step_seed
+from ddpmrepro.model.unet import build_unet
 
 LOG_KEYS = ("loss", "mse", "vb", "loss_q0", "loss_q1", "loss_q2", "loss_q3", "grad_norm", "lr", "loss_scale",
             "skipped_steps", "images_per_sec")  # what train() logs per log line

@@ -9,7 +9,7 @@
 Contenders, all training the same UNet on the same prepared data with the same batch and the
 same optimizer settings (AdamW with ddpmrepro's lr, weight decay 0, a per-step lr, grad clipping
 at 1.0, one EMA):
-  ddpmrepro     `ddpmrepro.train.train()` itself, introspection off, uniform timesteps: everything the
+  ddpmrepro     `ddpmrepro.training.loop.train()` itself, introspection off, uniform timesteps: everything the
                 pipeline does per step (per-example seeded draws, EMA, loss statistics, a dvclive log
                 line per block). One run for the whole benchmark, paused after every block.
   ddpmrepro+is  the same with IDDPM's loss-second-moment importance sampler (the default)
@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from greenlet import greenlet
 
-import ddpmrepro.train as ddpm_train
+import ddpmrepro.training.loop as ddpm_train
 from ddpmrepro import params as P
 from ddpmrepro.data import load_prepared, prepare, to_model_range
-from ddpmrepro.unet import PRESETS, build_unet
+from ddpmrepro.model.unet import PRESETS, build_unet
 from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
 from timing import fmt_ratio, paired_rounds, verdict
 
@@ -56,7 +56,7 @@ def bench_params(a, sampler: str, total_steps: int) -> P.Params:
 
 
 class DdpmreproLoop:
-    """`ddpmrepro.train.train()` run once as a coroutine (a greenlet, on the caller's own OS thread,
+    """`ddpmrepro.training.loop.train()` run once as a coroutine (a greenlet, on the caller's own OS thread,
     so the same OpenMP team and signal handlers) that pauses after every `steps` training steps.
 
     The model, optimizer and data are built once, in the first (warm-up) block, and every later

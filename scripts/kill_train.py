@@ -41,7 +41,9 @@ import yaml
 SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
 
-from ddpmrepro.checkpoint import list_checkpoints, load_checkpoint, load_weights  # noqa: E402
+from ddpmrepro.files import load_weights  # noqa: E402
+
+from ddpmrepro.training.checkpoint import list_checkpoints, load_checkpoint
 from ddpmrepro.data import prepare  # noqa: E402
 from ddpmrepro.params import DataParams  # noqa: E402
 
@@ -132,7 +134,8 @@ KILLS = {"tree": kill_tree, "group": kill_group}
 def lock_free(run: Path, timeout: float = 5.0) -> bool:
     """No process holds the run lock of any run directory within `timeout` s of a kill (a killed
     process releases its files as its last thread exits, a moment after it looks dead)."""
-    from ddpmrepro.checkpoint import CheckpointError, RunLock
+    from ddpmrepro.files import CheckpointError
+    from ddpmrepro.training.checkpoint import RunLock
 
     deadline = time.monotonic() + timeout
     for d in (run / "ckpt").glob("*/*"):
@@ -286,7 +289,7 @@ def kill_sampling(root: Path, out: Path, nproc: int, kills: int, full_seconds: f
 def train_in_process(raw: dict, data: Path, run: Path) -> None:
     """The model to sample from (in this process: it only has to exist, and a launch costs seconds)."""
     from ddpmrepro.params import from_dict
-    from ddpmrepro.train import TrainPaths, train
+    from ddpmrepro.training.loop import TrainPaths, train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only spin

@@ -26,7 +26,8 @@ import yaml
 from click.testing import CliRunner
 
 from ddpmrepro import params as P
-from ddpmrepro.checkpoint import RunLock, latest_checkpoint, list_checkpoints, save_checkpoint, sha256_file
+from ddpmrepro.files import sha256_file
+from ddpmrepro.training.checkpoint import RunLock, latest_checkpoint, list_checkpoints, save_checkpoint
 from ddpmrepro.cli import main
 from ddpmrepro.data import prepare
 

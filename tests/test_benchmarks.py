@@ -202,7 +202,7 @@ def test_paused_training_run_is_the_uninterrupted_run(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    import ddpmrepro.train as T
+    import ddpmrepro.training.loop as T
     import train_step
     from ddpmrepro import params as P
     from ddpmrepro.data import prepare

@@ -5,7 +5,8 @@ import pickle
 import pytest
 import torch
 
-from ddpmrepro import checkpoint as C
+from ddpmrepro import files as F
+from ddpmrepro.training import checkpoint as C
 
 
 def test_save_load_and_keep_last_k(tmp_path):
@@ -59,14 +60,14 @@ def test_interrupted_write_leaves_previous_checkpoint(tmp_path, monkeypatch):
 
 def test_weights_round_trip_and_corrupt_file(tmp_path):
     w = {"a": torch.randn(3, 4), "b": torch.arange(5)}
-    C.save_weights(w, tmp_path / "m.safetensors")
-    back = C.load_weights(tmp_path / "m.safetensors")
+    F.save_weights(w, tmp_path / "m.safetensors")
+    back = F.load_weights(tmp_path / "m.safetensors")
     assert all(torch.equal(w[k], back[k]) for k in w)
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 20)
     with pytest.raises(C.CheckpointError, match="not a valid safetensors"):
-        C.load_weights(tmp_path / "bad.safetensors")
+        F.load_weights(tmp_path / "bad.safetensors")
     with pytest.raises(C.CheckpointError, match="not found"):
-        C.load_weights(tmp_path / "missing.safetensors")
+        F.load_weights(tmp_path / "missing.safetensors")
 
 
 def test_run_lock_refuses_a_second_writer(tmp_path):

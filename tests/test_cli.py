@@ -93,7 +93,7 @@ def test_p_is_short_for_params_and_an_empty_params_file_is_refused(tmp_path, mon
 @pytest.mark.parametrize("args, expected", [([], "--max-restarts=2"), (["--max-restarts", "0"], "--max-restarts=0")])
 def test_max_restarts_comes_from_params_or_the_command_line_and_goes_to_torchrun_only(tmp_path, monkeypatch, args,
                                                                                       expected):
-    from ddpmrepro import launch
+    from ddpmrepro.runtime import launch
 
     params = tmp_path / "params.yaml"
     params.write_text("train: {nproc: 2, max_restarts: 2, device: cpu}\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpmrepro import cpu_slots
+from ddpmrepro.runtime import cpu_slots
 
 ROOT = Path(__file__).resolve().parents[1]
 CORES = sorted(os.sched_getaffinity(0))
@@ -21,7 +21,7 @@ JOB = """
 import logging, os, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 import torch
-from ddpmrepro import cpu_slots
+from ddpmrepro.runtime import cpu_slots
 try:
     cpu_slots.claim(int(sys.argv[1]), timeout=float(sys.argv[2]) or None, poll_s=0.05)
 except cpu_slots.CpuSlotsError as e:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ddpmrepro import diffusion as D
+from ddpmrepro.model import diffusion as D
 from ddpmrepro.params import DiffusionParams
 
 
@@ -410,7 +410,7 @@ def test_training_on_two_points_lowers_loss_and_samples_land_on_them(one_thread)
 
 def test_bits_per_dim_batched_over_timesteps_equals_one_step_per_call():
     # Scoring k timesteps per model call is an implementation detail: same noise, same VLB.
-    from ddpmrepro.diffusion import GaussianDiffusion, get_beta_schedule
+    from ddpmrepro.model.diffusion import GaussianDiffusion, get_beta_schedule
 
     d = GaussianDiffusion(get_beta_schedule("cosine", 20), variance="learned_range", loss="hybrid")
     torch.manual_seed(0)

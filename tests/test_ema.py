@@ -1,6 +1,6 @@
 import torch
 
-from ddpmrepro.ema import ema_decay, init_ema, update_ema
+from ddpmrepro.training.ema import ema_decay, init_ema, update_ema
 
 
 def test_update_matches_the_recurrence():
@@ -27,7 +27,7 @@ def test_warmup_decay():
 
 def test_a_reused_updater_follows_in_place_updates_and_loaded_weights():
     """The loop resolves the live tensors once; optimizer steps and load_state_dict must still show."""
-    from ddpmrepro.ema import EmaUpdater
+    from ddpmrepro.training.ema import EmaUpdater
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # with buffers

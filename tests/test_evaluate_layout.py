@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from ddpmrepro.evaluate import HEADLINE, _per_class, layout, metrics_html
-from ddpmrepro.metrics import feature_metrics, real_floor
+from ddpmrepro.evaluation.evaluate import HEADLINE, _per_class, layout, metrics_html
+from ddpmrepro.evaluation.metrics import feature_metrics, real_floor
 
 
 def _inputs(inception: dict | None = None, bpd: dict | None = None):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddpmrepro.evaluator import EvaluatorError, fit_evaluator, load_evaluator
+from ddpmrepro.evaluation.evaluator import EvaluatorError, fit_evaluator, load_evaluator
 from ddpmrepro.params import EvaluatorParams
 
 CLASS_NAMES = [str(i) for i in range(10)]
@@ -76,7 +76,7 @@ def test_loaded_model_is_the_trained_one(fitted):
 
 def test_logits_match_a_direct_forward_pass(fitted):
     """Independent path: raw safetensors weights into a fresh net, normalisation written out by hand."""
-    from ddpmrepro.evaluator import EvaluatorNet
+    from ddpmrepro.evaluation.evaluator import EvaluatorNet
 
     _, xte, _, _ = fitted["data"]
     cfg = json.loads((fitted["dir"] / "config.json").read_text())

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from ddpmrepro import gpu_slots
+from ddpmrepro.runtime import gpu_slots
 
 ROOT = Path(__file__).resolve().parents[1]
 # A job: takes N of COUNT GPUs, prints what it got, holds them until its stdin closes.
 JOB = """
 import logging, os, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-from ddpmrepro import gpu_slots
+from ddpmrepro.runtime import gpu_slots
 n, count, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 try:
     gpu_slots.acquire(n, device_count=count, timeout=timeout or None, poll_s=0.05)
@@ -112,7 +112,7 @@ def test_a_killed_job_frees_its_gpus(env, jobs):
 
 LAUNCHING_JOB = """
 import os, sys
-from ddpmrepro import gpu_slots, launch
+from ddpmrepro.runtime import gpu_slots, launch
 gpu_slots.acquire(2, device_count=2, poll_s=0.05)
 launch.run_launcher([sys.executable, "-c", "import os, time; print('CHILD', os.getpid(), flush=True); time.sleep(120)"])
 """

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddpmrepro.introspect import (ACT_GRADS_SCHEMA, PARAM_GRADS_SCHEMA, ActivationGradRecorder, ParamGradRecorder,
+from ddpmrepro.training.introspect import (ACT_GRADS_SCHEMA, PARAM_GRADS_SCHEMA, ActivationGradRecorder, ParamGradRecorder,
                                   TableWriter, is_record_step, read_table, select_names)
 
 

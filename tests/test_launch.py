@@ -4,12 +4,12 @@ import sys
 
 import pytest
 
-from ddpmrepro import launch
+from ddpmrepro.runtime import launch
 
 
 def test_single_node_uses_torchrun_standalone():
     cmd = launch.torchrun_command(4, ["train", "--params", "p.yaml"])
-    assert cmd[:3] == [sys.executable, "-m", "ddpmrepro.torchrun"]  # torchrun, tied to its launcher (torchrun.py)
+    assert cmd[:3] == [sys.executable, "-m", "ddpmrepro.runtime.torchrun"]  # torchrun, tied to its launcher (torchrun.py)
     assert "--standalone" in cmd and "--nproc_per_node=4" in cmd
     assert cmd[-5:] == ["-m", "ddpmrepro.cli", "train", "--params", "p.yaml"]
 
@@ -109,7 +109,7 @@ def test_node_list_from_scontrol_when_the_job_step_dropped_it(tmp_path):
 
 
 def test_the_agent_reads_the_workers_reports_of_the_last_attempt_earliest_first(tmp_path, monkeypatch):
-    from ddpmrepro import torchrun
+    from ddpmrepro.runtime import torchrun
 
     assert torchrun.report_error("not handed over", 1) is False  # no agent: the worker prints it itself
     monkeypatch.setenv(torchrun.ERROR_DIR, str(tmp_path))
@@ -132,7 +132,7 @@ def test_a_killed_agents_work_directory_is_removed_by_the_next_agent(tmp_path, m
     import subprocess
     import tempfile
 
-    from ddpmrepro import torchrun
+    from ddpmrepro.runtime import torchrun
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -10,9 +10,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ddpmrepro import params as P
-from ddpmrepro import train as T
+from ddpmrepro.training import loop as T
 from ddpmrepro.data import DataError, load_prepared, prepare, shards
-from ddpmrepro.data.loader import RowReader, TrainBatches, epoch_order
+from ddpmrepro.training.batches import RowReader, TrainBatches, epoch_order
 
 
 @pytest.fixture(scope="module")

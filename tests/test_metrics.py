@@ -9,8 +9,8 @@ import pytest
 import scipy.linalg
 import torch
 
-from ddpmrepro import metrics as M
-from ddpmrepro.evaluator import fit_evaluator, load_evaluator
+from ddpmrepro.evaluation import metrics as M
+from ddpmrepro.evaluation.evaluator import fit_evaluator, load_evaluator
 from ddpmrepro.params import EvaluatorParams
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddpmrepro import params as P
-from ddpmrepro.unet import PRESETS, build_unet
+from ddpmrepro.model.unet import PRESETS, build_unet
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from ddpmrepro.introspect import TableWriter
+from ddpmrepro.training.introspect import TableWriter
 from ddpmrepro.params import ReportParams
-from ddpmrepro.report import DVC_PLOTS, act_rows, group_param_rows, make_report
+from ddpmrepro.evaluation.report import DVC_PLOTS, act_rows, group_param_rows, make_report
 
 
 def synthetic_run(root, n_blocks=30, steps=range(10, 110, 10), per_rank=False):
@@ -117,7 +117,7 @@ def test_act_rows_combine_ranks_to_global_l2(tmp_path):
 def test_introspection_turned_off_still_draws_the_training_curves(tmp_path, caplog):
     no_rows_run(tmp_path / "introspect")
     live_metrics(tmp_path / "live")
-    with caplog.at_level("WARNING", logger="ddpmrepro.report"):
+    with caplog.at_level("WARNING", logger="ddpmrepro.evaluation.report"):
         paths = make_report(tmp_path / "introspect", tmp_path / "live", tmp_path / "figs", ReportParams(top_k=3))
     assert [p.name for p in paths] == ["training_curves.png"]
     assert "no steps recorded" in caplog.text

@@ -125,7 +125,7 @@ def test_not_enough_disk_space_is_refused_before_writing(tmp_path, monkeypatch):
 def test_the_evaluator_fits_the_same_on_many_shards(tmp_path, monkeypatch):
     """fit-evaluator and its features read a ShardedArray split exactly as a single memory map."""
     from ddpmrepro.cli import main
-    from ddpmrepro.evaluator import load_evaluator
+    from ddpmrepro.evaluation.evaluator import load_evaluator
 
     prepare(DataParams(), tmp_path / "one")
     monkeypatch.setattr(shards, "SHARD_BYTES", 64 * 300)

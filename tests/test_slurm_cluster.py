@@ -36,7 +36,7 @@ import pytest
 import torch
 import yaml
 
-from ddpmrepro.checkpoint import load_weights
+from ddpmrepro.files import load_weights
 from project_copy import copy_project
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -414,7 +414,7 @@ def test_ddp_in_an_sbatch_allocation_equals_the_run_outside_slurm(repo):
                "-o", str(job_log), str(script), check=False)
     job = proc.stdout.strip().split(";")[0]
     assert proc.returncode == 0 and job_info(job)["JobState"] == "COMPLETED", proc.stderr + job_log.read_text()[-3000:]
-    assert "-m ddpmrepro.torchrun --standalone --nproc_per_node=2" in job_log.read_text(), job_log.read_text()[-3000:]
+    assert "-m ddpmrepro.runtime.torchrun --standalone --nproc_per_node=2" in job_log.read_text(), job_log.read_text()[-3000:]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     subprocess.run(train(outside), cwd=repo, env={**env, "PYTHONPATH": str(repo / "src"), "OMP_NUM_THREADS": "1"},
                    check=True, capture_output=True, timeout=900)

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from ddpmrepro.timestep_sampler import LossSecondMomentSampler, UniformSampler
+from ddpmrepro.training.timestep_sampler import LossSecondMomentSampler, UniformSampler
 
 
 def fill(sampler, losses_per_t):

@@ -19,7 +19,8 @@ import torch
 import yaml
 
 from ddpmrepro import params as P
-from ddpmrepro.checkpoint import latest_checkpoint, load_checkpoint, load_weights
+from ddpmrepro.files import load_weights
+from ddpmrepro.training.checkpoint import latest_checkpoint, load_checkpoint
 from ddpmrepro.data import prepare
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -248,7 +249,7 @@ def test_dump_steps_are_recorded_steps_in_the_same_numbering(tmp_path, prepared)
     import pandas as pd
     from safetensors import safe_open
 
-    from ddpmrepro import train as T
+    from ddpmrepro.training import loop as T
 
     params = P.load(write_params(tmp_path / "p.yaml", train={"steps": 3},
                                  introspect={"every": 0, "steps": [], "dump_steps": [2], "dump_modules": ["out"]}))
@@ -263,8 +264,8 @@ def test_dump_steps_are_recorded_steps_in_the_same_numbering(tmp_path, prepared)
 @pytest.mark.slow
 def test_other_code_version_never_touches_a_checkpoint_and_an_interrupted_one_is_refused(tmp_path, prepared,
                                                                                           monkeypatch):
-    from ddpmrepro import checkpoint as C
-    from ddpmrepro import train as T
+    from ddpmrepro.training import checkpoint as C
+    from ddpmrepro.training import loop as T
 
     # An interrupted run: its second checkpoint_every=4 window fails at step 6 of 8.
     real, calls = T.diffusion_from_params, [0]
@@ -311,7 +312,7 @@ def test_other_code_version_never_touches_a_checkpoint_and_an_interrupted_one_is
 
 @pytest.mark.slow
 def test_fp16_overflow_step_is_skipped_and_lowers_the_scale(tmp_path, prepared, monkeypatch):
-    from ddpmrepro import train as T
+    from ddpmrepro.training import loop as T
 
     real = T.diffusion_from_params
     calls = {"n": 0}
@@ -347,7 +348,7 @@ def test_fp16_overflow_step_is_skipped_and_lowers_the_scale(tmp_path, prepared, 
 
 
 def test_lr_schedule():
-    from ddpmrepro.train import lr_at
+    from ddpmrepro.training.loop import lr_at
 
     p = P.TrainParams(lr=1.0, warmup_steps=4, steps=14, anneal="linear")
     assert [lr_at(s, p) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -358,7 +359,7 @@ def test_lr_schedule():
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_cuda_mixed_precision_trains_and_exports(tmp_path, prepared, precision):
-    from ddpmrepro import train as T
+    from ddpmrepro.training import loop as T
 
     params = P.load(write_params(tmp_path / "p.yaml", train={"steps": 6, "device": "cuda", "precision": precision}))
     paths = T.TrainPaths(prepared, tmp_path / "m", tmp_path / "l", tmp_path / "i", tmp_path / "c")
@@ -373,7 +374,7 @@ def test_recorded_grad_norms_are_measured_before_clipping(tmp_path, prepared):
     # still combine to the unclipped global norm that clip_grad_norm_ returns.
     import pandas as pd
 
-    from ddpmrepro import train as T
+    from ddpmrepro.training import loop as T
 
     params = P.load(write_params(tmp_path / "p.yaml", train={"steps": 3, "grad_clip": 1e-4},
                                  introspect={"every": 1}))
@@ -392,7 +393,7 @@ def rank1_fails_in_step_3(exception: str) -> str:
     return f'''
 import os
 if os.environ.get("RANK") == "1":
-    import ddpmrepro.train as T
+    import ddpmrepro.training.loop as T
     real = T.diffusion_from_params
 
     def broken(*args, **kwargs):
@@ -439,7 +440,7 @@ def test_one_rank_failing_ends_every_rank_and_says_which_and_why(tmp_path, prepa
 
 def poison_loss(monkeypatch, at_call: int) -> None:
     """Makes the training loss infinite in this process's `at_call`-th microbatch (1-based)."""
-    from ddpmrepro import train as T
+    from ddpmrepro.training import loop as T
 
     real, calls = T.diffusion_from_params, [0]
 
@@ -466,7 +467,7 @@ def cli_train(run_dir: Path, data: Path, params: Path):
 
 
 def checkpoints(run_dir: Path) -> dict[int, dict]:
-    from ddpmrepro.checkpoint import checkpoint_step, list_checkpoints
+    from ddpmrepro.training.checkpoint import checkpoint_step, list_checkpoints
 
     (ckpt_dir,) = (run_dir / "ckpt").glob("*/*")
     return {checkpoint_step(f): load_checkpoint(f) for f in list_checkpoints(ckpt_dir)}
@@ -509,7 +510,7 @@ def test_nonfinite_step_errors_saving_nothing_after_it_then_skip_resumes_as_a_sk
     skip = write_params(tmp_path / "skip.yaml", train={**NONFINITE, "precision": precision, "on_nonfinite": "skip"})
     monkeypatch.undo()
     poison_loss(monkeypatch, at_call=1)  # step 4 is the first step of the resumed run
-    with caplog.at_level("WARNING", logger="ddpmrepro.train"):
+    with caplog.at_level("WARNING", logger="ddpmrepro.training.loop"):
         assert cli_train(run, prepared, skip).exit_code == 0
     assert f"step 4: non-finite gradient norm under {precision}; update skipped (1 so far)" in caplog.text
     states = checkpoints(run)
@@ -681,7 +682,9 @@ def test_killing_the_launcher_or_its_process_group_leaves_no_worker_and_the_reru
 
     import psutil
 
-    from ddpmrepro.checkpoint import CheckpointError, RunLock
+    from ddpmrepro.files import CheckpointError
+
+    from ddpmrepro.training.checkpoint import RunLock
 
     params = write_params(tmp_path / "p.yaml", train={**BY_NPROC[2], "checkpoint_every": 1, "keep_checkpoints": 10})
     run = tmp_path / "run"

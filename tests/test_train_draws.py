@@ -3,7 +3,7 @@ seed, whatever the image shape (the bitwise resume and DDP-equivalence guarantee
 import pytest
 import torch
 
-from ddpmrepro.train import example_draws, step_seed
+from ddpmrepro.training.loop import example_draws, step_seed
 
 
 def fresh_generator_draws(seeds, shape):

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from ddpmrepro.params import ModelParams
-from ddpmrepro.unet import PRESETS, UNet, build_unet
+from ddpmrepro.model.unet import PRESETS, UNet, build_unet
 
 
 def count(model: nn.Module) -> int:

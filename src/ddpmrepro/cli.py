@@ -41,7 +41,7 @@ def _first_line(e: Exception) -> str:
 
 def _user_error(e: Exception) -> click.ClickException | None:
     """The one-line error for a user-facing exception; None for a bug, which keeps its traceback."""
-    from .checkpoint import CheckpointError
+    from .files import CheckpointError
     from .data import DataError
 
     if isinstance(e, P.ParamsError):
@@ -59,7 +59,7 @@ def user_errors(fn):
     params). In a torchrun worker the line goes to the agent, which prints the first rank's once."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from .torchrun import report_error
+        from .runtime.torchrun import report_error
 
         try:
             return fn(*args, **kwargs)
@@ -142,7 +142,7 @@ def main(verbose: bool) -> None:
     Stages, in pipeline order: prepare, fit-evaluator, train, sample, evaluate, report.
     Run them all with `dvc repro` or `snakemake --cores all`; each reads params.yaml.
     """
-    from .torchrun import die_with_agent
+    from .runtime.torchrun import die_with_agent
 
     die_with_agent()  # a torchrun worker: first of all (torch takes seconds to import), as workers run outside our group
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(name)s: %(message)s",
@@ -208,7 +208,7 @@ def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
     Writes: OUT/model.safetensors, OUT/config.json, OUT/metrics.json (its test accuracy).
     """
     from .data import load_prepared
-    from .evaluator import fit_evaluator as run
+    from .evaluation.evaluator import fit_evaluator as run
 
     params = _load_params(params_path)
     d = load_prepared(data_dir)
@@ -247,8 +247,8 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
     SIGTERM saves a checkpoint at the next step boundary; after a rank fails, torchrun
     restarts the group from that checkpoint (up to train.max_restarts times).
     """
-    from . import distributed as D
-    from . import launch
+    from .runtime import distributed as D
+    from .runtime import launch
 
     params = _load_params(params_path)
     nproc = nproc or params.train.nproc
@@ -267,8 +267,8 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
         if nproc > 1:
             raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]),
                                                                          max_restarts=max_restarts)))
-    from .train import TrainPaths
-    from .train import train as run
+    from .training.loop import TrainPaths
+    from .training.loop import train as run
 
     summary = run(params, TrainPaths(data_dir, out, live_dir, introspect_dir, checkpoint_root), restart=restart)
     if D.is_main() and summary:
@@ -277,7 +277,7 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
 
 def _claim_cpus(nproc: int = 1) -> None:
     """Runs torch on this job's share of the cores, waiting while concurrent jobs hold them (cpu_slots)."""
-    from . import cpu_slots
+    from .runtime import cpu_slots
 
     cpu_slots.claim(nproc)
 
@@ -288,7 +288,7 @@ def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: 
     On CPU: (claim) takes this job's cores (cpu_slots)."""
     import torch
 
-    from . import gpu_slots
+    from .runtime import gpu_slots
 
     # device_count() asks NVML and leaves CUDA uninitialised (is_available() would initialise it),
     # so the CUDA_VISIBLE_DEVICES set by gpu_slots still applies to a run in this very process.
@@ -319,9 +319,9 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
     Writes: OUT/samples.npz (uint8 images, labels, seeds), OUT/grid.png (one row per class).
     Image k depends only on (sample.seed, k): not on batch size or process count.
     """
-    from . import distributed as D
-    from . import launch
-    from .sample import sample as run
+    from .runtime import distributed as D
+    from .runtime import launch
+    from .evaluation.sample import sample as run
 
     params = _load_params(params_path)
     nproc = nproc or params.sample.nproc
@@ -363,7 +363,7 @@ def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir
     Reads:  params `evaluate.*`, `sample.ema_rate`; SAMPLES, DATA, EVALUATOR, MODEL, LIVE/metrics.json.
     Writes: OUT (the headline metrics, flat keys), DETAIL (all of them), TABLE; see docs/METRICS.md.
     """
-    from .evaluate import evaluate as run
+    from .evaluation.evaluate import evaluate as run
 
     params = _load_params(params_path)
     _claim_cpus()
@@ -388,7 +388,7 @@ def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -
             lines, total norm vs clip threshold, loss curves).
     Fails, writing nothing, when INTROSPECT or LIVE is missing or holds no rows.
     """
-    from .report import make_report
+    from .evaluation.report import make_report
 
     paths = make_report(introspect_dir, live_dir, out, _load_params(params_path).report)
     click.echo(f"wrote {len(paths)} figures -> {out}")
@@ -423,7 +423,7 @@ def info(params_path: Path, presets: bool, defaults: bool) -> None:
 
 
 def _print_presets(params: P.Params, params_path: Path) -> None:
-    from .unet import PRESETS, count_parameters
+    from .model.unet import PRESETS, count_parameters
 
     d, learn_sigma = params.data, params.diffusion.variance == "learned_range"
     # Every built-in source has 10 classes; an image folder's count is known only after prepare.

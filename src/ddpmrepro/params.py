@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .respace import space_timesteps
+from .model.respace import space_timesteps
 
 
 class ParamsError(ValueError):

@@ -3,7 +3,7 @@
 `prepare(params, out_dir)` reads any supported source (see `prepared.READERS`) and streams it into
 fixed-size shards, `<split>-<k>.images.npy` (uint8 `(n, C, H, W)`) and `<split>-<k>.labels.npy`
 (int64), plus `manifest.json`, byte-deterministically and atomically. `load_prepared(dir)` verifies
-and memory-maps them; `TrainBatches` reads a rank's training batches ahead, row by row.
+and memory-maps them (`ddpmrepro.training.batches` reads a rank's training batches from them).
 `to_model_range` / `to_uint8` convert between uint8 images and the model's [-1, 1].
 """
 from ddpmrepro.data.prepared import FORMAT_VERSION, Prepared, load_prepared, prepare, to_model_range, to_uint8

@@ -15,33 +15,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint as ckpt
-from . import distributed as D
-from .data import to_uint8
-from .diffusion import from_params as diffusion_from_params
-from .diffusion import guided_model_fn
-from .params import Params, ParamsError, SampleParams, from_dict
-from .unet import build_unet
+from .. import files
+from ..data import to_uint8
+from ..model.diffusion import from_params as diffusion_from_params
+from ..model.diffusion import guided_model_fn
+from ..model.unet import build_unet
+from ..params import Params, ParamsError, SampleParams, from_dict
+from ..runtime import distributed as D
 
 
 def load_model(model_dir: Path, ema_rate: float, device="cpu"):
     """The trained UNet with the chosen EMA weights (rate 0: the raw weights), and its config."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.exists():
-        raise ckpt.CheckpointError(f"{config_path}: not found; train first (`dvc repro train`)")
+        raise files.CheckpointError(f"{config_path}: not found; train first (`dvc repro train`)")
     config = json.loads(config_path.read_text())
     trained = from_dict(config["params"])
     if ema_rate and ema_rate not in [float(r) for r in config["ema_rates"]]:
         raise ParamsError(f"sample.ema_rate={ema_rate:g} was not trained; available: "
                           f"{', '.join(f'{float(r):g}' for r in config['ema_rates'])} (or 0 for raw weights)")
-    name = ckpt.ema_filename(ema_rate) if ema_rate else "model.safetensors"
+    name = files.ema_filename(ema_rate) if ema_rate else "model.safetensors"
     data = config["data"]
     model = build_unet(trained.model, image_size=data["image_size"], in_channels=data["channels"],
                        num_classes=data["num_classes"], learn_sigma=trained.diffusion.variance == "learned_range")
-    state = ckpt.load_weights(Path(model_dir) / name)
+    state = files.load_weights(Path(model_dir) / name)
     missing = set(model.state_dict()) ^ set(state)
     if missing:
-        raise ckpt.CheckpointError(f"{model_dir / name}: tensors do not match the architecture in config.json "
+        raise files.CheckpointError(f"{model_dir / name}: tensors do not match the architecture in config.json "
                                    f"(e.g. {sorted(missing)[0]}); retrain or restore the model directory")
     model.load_state_dict(state)
     return model.to(device).eval(), trained, config
@@ -118,14 +118,14 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
 def write_samples(out_dir: Path, images: np.ndarray, labels: np.ndarray, seeds: np.ndarray, class_names,
                   params: Params) -> None:
     """samples.npz + grid.png + params.yaml, swapped into place together."""
-    from .params import save_resolved
+    from ..params import save_resolved
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     buf = io.BytesIO()
     np.savez(buf, images=images, labels=labels.astype(np.int64), seeds=seeds)
-    ckpt.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
+    files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
     save_grid(images, labels, class_names, tmp / "grid.png")
     save_resolved(params, tmp / "params.yaml", sections=("sample",))
     if out_dir.exists():

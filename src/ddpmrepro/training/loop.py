@@ -27,18 +27,19 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .. import files
+from ..data import load_prepared, to_model_range
+from ..model.diffusion import from_params as diffusion_from_params
+from ..model.unet import build_unet
+from ..params import Params, ParamsError
+from ..runtime import distributed as D
 from . import checkpoint as ckpt
-from . import distributed as D
 from . import introspect
-from .data import load_prepared, to_model_range
-from .data.loader import TrainBatches
-from .diffusion import from_params as diffusion_from_params
+from .batches import TrainBatches
 from .ema import EmaUpdater, ema_decay, init_ema
-from .params import Params, ParamsError
 from .timestep_sampler import PendingUpdate, create_sampler
-from .unet import build_unet
 
-log = logging.getLogger("ddpmrepro.train")
+log = logging.getLogger("ddpmrepro.training.loop")
 
 # Keys that change how often we log or save, or how failures are handled, not what is learned:
 # they must not invalidate a checkpoint or the run hash. (`on_nonfinite: error` saves nothing
@@ -60,17 +61,16 @@ class TrainPaths:
     checkpoint_root: Path
 
 
-# The code that trains: exactly the train stage's code deps in dvc.yaml (a test keeps the two equal).
-TRAIN_CODE = ("__init__.py", "cli.py", "params.py", "checkpoint.py", "cpu_slots.py", "data", "diffusion.py",
-              "distributed.py", "ema.py", "gpu_slots.py", "introspect.py", "launch.py", "respace.py", "slots.py",
-              "timestep_sampler.py", "torchrun.py", "train.py", "unet.py")
+# The code that trains, relative to the package: exactly the train stage's code deps in dvc.yaml
+# (a test keeps the two equal, and equal to what the stage imports).
+TRAIN_CODE = ("__init__.py", "cli.py", "params.py", "files.py", "data", "model", "runtime", "training")
 
 
 def code_version() -> str:
     """sha256 over TRAIN_CODE's sources: a checkpoint resumes only under the same code."""
     import hashlib
 
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # src/ddpmrepro
     h = hashlib.sha256()
     for name in TRAIN_CODE:
         files = sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]
@@ -241,14 +241,14 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         if latest is not None:
             state = ckpt.load_checkpoint(latest)
             if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
-                raise ckpt.CheckpointError(f"{latest}: not a training checkpoint of ddpmrepro; delete it to resume "
+                raise files.CheckpointError(f"{latest}: not a training checkpoint of ddpmrepro; delete it to resume "
                                            "from an earlier checkpoint")
             if state["code_version"] != version:
-                raise ckpt.CheckpointError(
+                raise files.CheckpointError(
                     f"{latest}: written by code version {state['code_version']}, this is {version}; "
                     "rerun with `ddpmrepro train --restart` to start over, or restore that code")
             if state["run_hash"] != run_id:
-                raise ckpt.CheckpointError(f"{latest}: belongs to run {state['run_hash']}, not {run_id}; remove it")
+                raise files.CheckpointError(f"{latest}: belongs to run {state['run_hash']}, not {run_id}; remove it")
             raw_model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             scaler.load_state_dict(state["scaler"])
@@ -479,7 +479,7 @@ def _refuse_interrupted_run_of_other_code(ckpt_dir: Path, steps: int) -> None:
     for other in sorted(ckpt_dir.parent.glob("*")):
         latest = ckpt.latest_checkpoint(other) if other != ckpt_dir and other.is_dir() else None
         if latest is not None and ckpt.checkpoint_step(latest) < steps:
-            raise ckpt.CheckpointError(
+            raise files.CheckpointError(
                 f"{latest}: an interrupted run of these params under code version {other.name} (this code is "
                 f"{ckpt_dir.name}); rerun with `ddpmrepro train --restart` to start over with this code "
                 "(that checkpoint is kept), or restore that code to resume it")
@@ -513,9 +513,9 @@ def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version,
     tmp = model_dir.with_name(f".{model_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    ckpt.save_weights(raw_model.state_dict(), tmp / "model.safetensors")
+    files.save_weights(raw_model.state_dict(), tmp / "model.safetensors")
     for rate, ema in emas.items():
-        ckpt.save_weights(ema, tmp / ckpt.ema_filename(rate))
+        files.save_weights(ema, tmp / files.ema_filename(rate))
     config = {
         "params": params.to_dict(), "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels",
                                                                         "class_names")},

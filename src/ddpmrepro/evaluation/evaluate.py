@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, atomic_write_text
-from .data import load_prepared, to_model_range
-from .diffusion import from_params as diffusion_from_params
+from ..data import load_prepared, to_model_range
+from ..files import CheckpointError, atomic_write_text
+from ..model.diffusion import from_params as diffusion_from_params
+from ..params import Params
 from .evaluator import load_evaluator
 from .metrics import feature_metrics, inception_metrics, real_floor
-from .params import Params
 from .sample import load_model
 
 

@@ -25,8 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .introspect import read_table  # noqa: E402
-from .params import ReportParams  # noqa: E402
+from ..training.introspect import read_table  # noqa: E402
+from ..params import ReportParams  # noqa: E402
 
 MAX_ROWS = 60  # heatmap rows; more parameters are combined per module (norm of the concatenation)
 
@@ -166,7 +166,7 @@ def _save(fig, path: Path) -> Path:
     plt.close(fig)
     return path
 
-log = logging.getLogger("ddpmrepro.report")
+log = logging.getLogger("ddpmrepro.evaluation.report")
 
 
 class ReportInputError(ValueError):

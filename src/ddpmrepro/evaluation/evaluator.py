@@ -28,8 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .params import EvaluatorParams
-from .checkpoint import sha256_file
+from ..files import sha256_file
+from ..params import EvaluatorParams
 
 log = logging.getLogger(__name__)
 

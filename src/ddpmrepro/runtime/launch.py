@@ -6,7 +6,7 @@
 - a multi-node SLURM allocation: `srun torchrun` with the rendezvous taken from SLURM;
 - already started by srun once per node: this node's torchrun, same rendezvous (never srun again).
 
-"torchrun" is `python -m ddpmrepro.torchrun`: torchrun whose workers die with it and whose failures
+"torchrun" is `python -m ddpmrepro.runtime.torchrun`: torchrun whose workers die with it and whose failures
 are one line (see torchrun.py). `run_launcher` ties it to this process in turn.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def torchrun_command(nproc: int, worker_args: list[str], *, max_restarts: int = 
     """torchrun for one node; `--standalone` picks a free port and a fresh rendezvous id,
     so concurrent jobs on one host never collide."""
     return [
-        *_restartable(max_restarts), sys.executable, "-m", "ddpmrepro.torchrun",
+        *_restartable(max_restarts), sys.executable, "-m", "ddpmrepro.runtime.torchrun",
         "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
         "-m", "ddpmrepro.cli", *worker_args,
     ]
@@ -81,7 +82,7 @@ def node_torchrun_command(nproc: int, worker_args: list[str], env: dict, *, port
 
 def _rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restarts) -> list[str]:
     return [
-        *_restartable(max_restarts), sys.executable, "-m", "ddpmrepro.torchrun",
+        *_restartable(max_restarts), sys.executable, "-m", "ddpmrepro.runtime.torchrun",
         f"--nnodes={nodes}", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={head}:{port}", f"--rdzv_id={env.get('SLURM_JOB_ID', 'ddpmrepro')}",
         "-m", "ddpmrepro.cli", *worker_args,
@@ -163,7 +164,7 @@ def run_launcher(cmd: list[str], *, srun: bool = False) -> int:
     from .torchrun import parent_death_signal
 
     env = dict(os.environ)
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = str(Path(__file__).resolve().parents[2])  # src/, above the package
     env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     log.debug("+ %s", shlex.join(cmd))
     launcher, death = os.getpid(), signal.SIGTERM if srun else signal.SIGKILL

@@ -1,4 +1,4 @@
-"""`python -m ddpmrepro.torchrun ARGS`: torchrun (torch.distributed.run, same arguments) as
+"""`python -m ddpmrepro.runtime.torchrun ARGS`: torchrun (torch.distributed.run, same arguments) as
 `ddpmrepro train` and `ddpmrepro sample` run it. It differs in what happens when something fails
 or dies:
 

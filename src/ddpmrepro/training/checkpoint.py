@@ -1,5 +1,4 @@
-"""Checkpoints: atomic resumable state (torch.save, loaded weights_only) and exported weights
-(safetensors).
+"""Checkpoints: the resumable training state (torch.save, loaded weights_only), and the run lock.
 
 A checkpoint file is untrusted input: it is loaded with `weights_only=True` only, after its
 sha256 sidecar has been checked, so a truncated, tampered or pickle-bearing file is refused
@@ -8,7 +7,6 @@ with a clear message instead of being executed or half-read.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -17,51 +15,11 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+
+from ..files import TEMP_FILE, CheckpointError, atomic_write_bytes, atomic_write_text, sha256_file
 
 STEP_FILE = re.compile(r"^step_(\d{9})\.pt$")
-TEMP_FILE = re.compile(r"^\..+\.tmp\.(\d+)$")  # atomic_write_bytes's `.<name>.tmp.<writer pid>`
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which file and what to do."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, write) -> None:
-    """Calls write(file) on a temp file in the same directory, fsyncs and renames it into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, lambda f: f.write(text.encode()))
 
 
 def save_checkpoint(state: dict, directory: Path, step: int, keep: int) -> Path:
@@ -155,35 +113,6 @@ def _written_by(path: Path, pid: int) -> bool:
         return False  # the pid was reused by a process that is not writing it
     except OSError:
         return True  # no /proc, or not ours to look at
-
-
-# --- exported weights ----------------------------------------------------------------------
-
-
-def save_weights(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Writes a flat name -> tensor dict as safetensors, atomically."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    if not Path(path).exists():
-        raise CheckpointError(f"{path}: not found; run `dvc repro train` (or `ddpmrepro train`) first")
-    try:
-        return load_file(str(path))
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0][:200]}); retrain or restore it with `dvc checkout`") from None
-
-
-def ema_filename(rate: float) -> str:
-    return f"ema_{rate:g}.safetensors"
 
 
 # --- a run directory is written by one process at a time -------------------------------------
