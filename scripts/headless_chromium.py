@@ -148,6 +148,10 @@ class Chromium:
         session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.send(f"{domain}.enable", session=session)
+        # The page gets exactly width x height (--window-size counts the invisible window's frame too).
+        width, height = self.size
+        self.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height, "deviceScaleFactor": 1,
+                                                         "mobile": False}, session=session)
         navigation = self.send("Page.navigate", {"url": url}, session=session)
         if navigation.get("errorText"):
             raise RuntimeError(f"{url}: {navigation['errorText']}")

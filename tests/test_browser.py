@@ -4,12 +4,15 @@
 `tiny_pipeline`, shared with tests/test_pipeline.py) are opened as a reader would open them: they
 must render, every image must load and decode at the size of the file it shows, and the page must
 log no error, throw no exception and fail no request. A broken page proves the checks can fail.
+scripts/docs_images.py, which draws the README's pictures from a run, is run on the same outputs.
 Skipped where no Chromium is installed (`.ci/run` installs it when it runs as root).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,7 +39,7 @@ def browser():
 
 
 def grey_levels(png: Path) -> int:
-    return len(set(Image.open(png).convert("L").getdata()))
+    return len(Image.open(png).convert("L").getcolors(256))
 
 
 def test_the_checks_catch_a_broken_page(browser, tmp_path):
@@ -104,3 +107,21 @@ def test_snakemake_report_shows_every_result(tiny_pipeline, browser, tmp_path):
     for name in pngs:  # each decoded at the size of the file the pipeline wrote
         assert shown[name] == Image.open(repo / name).size, name
     assert page.problems == []
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="no Graphviz for the stage graph (apt-get install graphviz)")
+def test_docs_images_are_drawn_from_the_run(tiny_pipeline, tmp_path):
+    repo = tiny_pipeline.repo
+    run(ROOT, sys.executable, str(ROOT / "scripts/docs_images.py"), "--run", str(repo), "--out", str(tmp_path))
+    made = {p.name: p for p in tmp_path.glob("*.png")}
+    assert set(made) == {"stage_graph.png", "samples_grid.png", "grad_heatmap.png", "metrics_html.png",
+                         "snakemake_report.png"}
+    assert all(p.stat().st_size < 100_000 for p in made.values())  # small enough to commit
+    # The samples are the run's grid, enlarged by whole pixels and nothing else.
+    grid, shown = Image.open(repo / "samples/grid.png"), Image.open(made["samples_grid.png"])
+    scale = shown.width // grid.width
+    assert scale >= 1 and shown.size == (grid.width * scale, grid.height * scale)
+    assert shown.resize(grid.size, Image.Resampling.NEAREST).tobytes() == grid.tobytes()
+    assert Image.open(made["grad_heatmap.png"]).size == Image.open(repo / "reports/figures/param_grad_heatmap.png").size
+    assert Image.open(made["metrics_html.png"]).size == (1000, 600)
+    assert grey_levels(made["stage_graph.png"]) > 2 and grey_levels(made["snakemake_report.png"]) > 2
