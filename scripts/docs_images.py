@@ -1,6 +1,6 @@
 """The pictures of README.md and docs/, drawn from a finished pipeline run, so they show what the code makes.
 
-    PYTHONPATH=src python scripts/docs_images.py [--run DIR] [--out docs/img]
+    PYTHONPATH=src python scripts/docs_images.py [--run DIR] [--out docs/img]     # or: make docs-images
 
 DIR is the working directory of a finished `make repro` / `dvc repro` on the default params.yaml
 (default: this checkout); it is only read. Writes, each a small PNG (tens of KB):
