@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 export DVC_NO_ANALYTICS := 1
 export PYTHONPATH := $(CURDIR)/src
 
-.PHONY: setup repro snakemake test test-fast lock clean
+.PHONY: setup repro snakemake test test-fast lock clean docs-images
 
 $(BIN)/ddpmrepro: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ repro: setup
 
 snakemake: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --cores all
+
+# The pictures of README.md and docs/img/, from the outputs `make repro` left (Graphviz and Chromium: apt).
+docs-images: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/docs_images.py
 
 test: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q

@@ -46,3 +46,16 @@ def one_thread():
     with threadpool_limits(1):
         yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    """The project on tiny params in a fresh git + DVC repo, after one `dvc repro`: `.repo` and
+    `.first_repro` (that run's output). Built once per session: tests/test_pipeline.py goes on to edit
+    and rerun it, tests/test_browser.py opens its HTML outputs."""
+    from types import SimpleNamespace
+
+    from project_copy import run, tiny_project
+
+    repo = tiny_project(tmp_path_factory.mktemp("e2e"))
+    return SimpleNamespace(repo=repo, first_repro=run(repo, "dvc", "repro").stdout)

@@ -12,45 +12,18 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
-from project_copy import copy_project
+from project_copy import BIN, deep_update, run
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = str(Path(sys.executable).parent)
-TINY = {
-    "train": {"steps": 12, "batch_per_proc": 32, "warmup_steps": 2, "checkpoint_every": 5, "log_every": 4,
-              "timestep_sampler": "loss-second-moment"},
-    "diffusion": {"timesteps": 50},
-    "introspect": {"every": 4, "steps": [1]},
-    "sample": {"per_class": 3, "respacing": "ddim5", "batch_size": 16},
-    "evaluator": {"epochs": 1},
-    "evaluate": {"bpd_images": 4},
-}
 
 pytestmark = pytest.mark.slow
-
-
-def run(repo: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(repo / "src"),
-           "DVC_NO_ANALYTICS": "1"}
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def deep_update(d: dict, u: dict) -> dict:
-    for k, v in u.items():
-        d[k] = deep_update(d.get(k, {}), v) if isinstance(v, dict) else v
-    return d
 
 
 def set_param(repo: Path, section: str, key: str, value) -> None:
@@ -65,26 +38,16 @@ def ran_stages(output: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory) -> Path:
-    repo = tmp_path_factory.mktemp("e2e")
-    copy_project(repo)
-    params = deep_update(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    run(repo, "git", "init", "-q", "-b", "main")
-    run(repo, "dvc", "init", "-q")
-    shutil.copy2(ROOT / ".dvc" / "config", repo / ".dvc" / "config")  # the project's cache link types
-    run(repo, "git", "add", "-A")
-    run(repo, "git", "commit", "-qm", "tiny pipeline")
-    return repo
+def repo(tiny_pipeline) -> Path:
+    return tiny_pipeline.repo  # tests/conftest.py: built and run once, shared with tests/test_browser.py
 
 
 STAGES = {"check_params", "prepare", "fit_evaluator", "train", "sample", "evaluate", "report"}
 HEADLINE = ["class_acc", "fid", "floor_fid", "precision", "recall", "bpd", "loss", "img_per_sec", "evaluator_acc"]
 
 
-def test_dvc_repro_builds_every_output(repo):
-    out = run(repo, "dvc", "repro").stdout
-    assert ran_stages(out) == STAGES
+def test_dvc_repro_builds_every_output(repo, tiny_pipeline):
+    assert ran_stages(tiny_pipeline.first_repro) == STAGES  # the fixture's `dvc repro`
 
     manifest = json.loads((repo / "data/prepared/manifest.json").read_text())
     assert manifest["source"] == "digits" and manifest["num_classes"] == 10
