@@ -97,6 +97,26 @@ def test_second_repro_is_a_noop(repo):
     assert "Nothing to be done" in run(repo, "snakemake", "-n").stdout
 
 
+@pytest.mark.parametrize("module, stages", [
+    ("src/ddpmrepro/evaluation/report.py", {"report"}),
+    ("src/ddpmrepro/evaluation/metrics.py", {"evaluate"}),
+    ("src/ddpmrepro/training/ema.py", {"train"}),
+    ("src/ddpmrepro/runtime/launch.py", {"train", "sample"}),
+    ("src/ddpmrepro/model/unet.py", {"train", "sample", "evaluate"}),
+])
+def test_a_code_edit_makes_exactly_the_stages_that_import_it_stale(repo, module, stages):
+    # dvc.yaml names each stage's code by what it imports (tests/test_stage_deps.py); here real DVC
+    # says which stages an edit of one file reaches: those that run it, and no other.
+    path = repo / module
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original + b"\n# an edit\n")
+        assert set(json.loads(run(repo, "dvc", "status", "--json").stdout)) == stages
+    finally:
+        path.write_bytes(original)
+    assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
+
+
 def snapshot(repo: Path) -> dict[str, bytes]:
     """Every output file DVC or the stages wrote (and params.yaml's resolved sections)."""
     roots = ["models", "reports", "samples", "data/prepared", "metrics.json"]
