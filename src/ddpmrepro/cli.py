@@ -368,7 +368,8 @@ def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir
     params = _load_params(params_path)
     _claim_cpus()
     metrics = run(params, samples_dir, data_dir, evaluator_dir, model_dir, out, detail_out, live_dir, table_out)
-    click.echo(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" -> {out}, {detail_out}")
+    click.echo(" ".join(f"{k}={v:.4g}" if v is not None else f"{k}=n/a" for k, v in metrics.items())
+               + f" -> {out}, {detail_out}")
 
 
 @main.command()

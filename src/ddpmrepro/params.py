@@ -69,10 +69,25 @@ class ModelParams:
     dropout: float | None = _f(None, min=0.0, max=1.0, doc="Dropout in the residual blocks.")
     scale_shift_norm: bool | None = _f(None, doc="true: IDDPM's AdaGN (timestep scales and shifts the norm); "
                                                  "false: DDPM's additive embedding.")
+    # Switches that reproduce published models exactly (docs/MODELS.md); null = this UNet's own choice.
+    time_embedding: str | None = _f(None, choices=("iddpm", "ddpm"),
+                                    doc="Sinusoidal timestep embedding: `iddpm` (default; [cos, sin], frequencies "
+                                        "1e4^(-i/half)) or `ddpm` (the TF release of Ho et al.: [sin, cos], "
+                                        "1e4^(-i/(half-1))).")
+    downsample_padding: str | None = _f(None, choices=("symmetric", "asymmetric"),
+                                        doc="Padding of the stride-2 downsampling conv: `symmetric` (default, 1 "
+                                            "pixel each side) or `asymmetric` (TF's bottom/right only, as DDPM's "
+                                            "release).")
+    norm_eps: float | None = _f(None, min=0.0, min_exclusive=True, max=1.0,
+                                doc="GroupNorm epsilon (default 1e-5; DDPM's TF release: 1e-6).")
+    num_heads: int | None = _f(None, min=1, doc="A fixed number of attention heads in every attention layer "
+                                                "(improved-diffusion's `num_heads`); replaces num_head_channels.")
+    class_cond: bool = _f(True, doc="false: an unconditional model (no label table; sample.guidance is not used "
+                                    "and evaluate reports class_acc as null).")
 
     def overrides(self) -> dict:
-        """The architecture keys set explicitly in params.yaml."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "preset" and v is not None}
+        """The architecture keys set explicitly in params.yaml (class_cond is not a preset's key)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("preset", "class_cond") and v is not None}
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,9 @@ class DiffusionParams:
                            "learned interpolation between them (doubles the output channels).")
     loss: str = _f("mse", choices=("mse", "hybrid", "kl"), doc="`mse` (DDPM's simple loss), `hybrid` (mse + "
                                                                 "VLB x T/1000, IDDPM) or `kl` (the VLB alone).")
+    rescale_timesteps: bool = _f(False, doc="Feed the network t x 1000/T instead of the index t "
+                                            "(improved-diffusion's `rescale_timesteps`; its CIFAR-10 models need "
+                                            "it).")
 
 
 @dataclass(frozen=True)
