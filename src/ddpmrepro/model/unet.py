@@ -252,6 +252,7 @@ class UNet(nn.Module):
             )
         self.image_size, self.in_channels, self.out_channels = image_size, in_channels, out_channels
         self.model_channels, self.num_classes = model_channels, num_classes
+        self.channel_mult, self.num_res_blocks = list(channel_mult), num_res_blocks  # read by interop's mappings
         attention_resolutions = set(attention_resolutions)
         emb_ch = 4 * model_channels
 
