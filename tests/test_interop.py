@@ -342,3 +342,17 @@ def test_what_diffusers_cannot_express_is_refused_on_export():
         DF.unet2d_config(narrow, 8)
     with pytest.raises(ConversionError, match="rescale_timesteps"):
         DF.scheduler_config(P.DiffusionParams(rescale_timesteps=True))
+
+
+def test_the_train_step_benchmarks_diffusers_unet_has_our_parameter_count():
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    pytest.importorskip("greenlet")
+    from train_step import diffusers_unet
+
+    a = argparse.Namespace(preset="tiny", image_size=8, channels=1)
+    theirs = diffusers_unet(a, 10)
+    ours = build_unet(P.ModelParams(), image_size=8, in_channels=1, num_classes=10, learn_sigma=False)
+    assert sum(p.numel() for p in theirs.parameters()) == sum(p.numel() for p in ours.parameters()) == 457_761
