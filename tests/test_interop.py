@@ -356,3 +356,28 @@ def test_the_train_step_benchmarks_diffusers_unet_has_our_parameter_count():
     theirs = diffusers_unet(a, 10)
     ours = build_unet(P.ModelParams(), image_size=8, in_channels=1, num_classes=10, learn_sigma=False)
     assert sum(p.numel() for p in theirs.parameters()) == sum(p.numel() for p in ours.parameters()) == 457_761
+
+
+def test_the_train_stage_with_import_from_imports_and_trains_nothing(small_id, tmp_path, monkeypatch):
+    """The pipeline path: `train.import_from` makes the train stage an import (DVC tracks the file
+    under models/published/); its logs stay empty rather than pretending a training run."""
+    from safetensors.torch import load_file
+
+    root, theirs, pt = small_id
+    work = tmp_path / "work"
+    (work / "models" / "published").mkdir(parents=True)
+    (work / "models" / "published" / pt.name).write_bytes(pt.read_bytes())
+    (work / "data").symlink_to(root / "data")
+    raw = {**SMALL_ID, "train": {"import_from": f"models/published/{pt.name}", "ema_rates": [0.9999]}}
+    (work / "params.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(work)
+    result = cli("train", "--data", "data", "--out", "models/ddpm", "--live", "live", "--introspect", "intro",
+                 "--checkpoints", "ckpt")
+    assert result.exit_code == 0, result.output
+    assert "training skipped" in result.output
+    weights = load_file(work / "models/ddpm/ema_0.9999.safetensors")
+    expected = ID.to_ours(theirs.state_dict(), build_unet(P.from_dict(SMALL_ID).model, image_size=8, in_channels=1,
+                                                          num_classes=10, learn_sigma=True), source="x")
+    assert all(torch.equal(weights[k], v) for k, v in expected.items())
+    assert json.loads((work / "live" / "metrics.json").read_text()) == {}
+    assert list((work / "intro").iterdir()) == [] and not (work / "ckpt").exists()

@@ -251,6 +251,13 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
     from .runtime import launch
 
     params = _load_params(params_path)
+    if params.train.import_from:  # a published model: imported, not trained (docs/MODELS.md)
+        from .interop.model_dir import use_published
+
+        config = use_published(params, data_dir, out, live_dir, introspect_dir)
+        click.echo(f"training skipped: imported {params.train.import_from} (sha256 "
+                   f"{config['source']['sha256'][:12]}) -> {out}")
+        return
     nproc = nproc or params.train.nproc
     max_restarts = params.train.max_restarts if max_restarts is None else max_restarts
     if not D.in_launch():

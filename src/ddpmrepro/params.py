@@ -150,6 +150,11 @@ class TrainParams:
                                                                    "Operational.")
     max_restarts: int = _f(0, min=0, max=100, doc="Under torchrun: relaunch all ranks this often after one fails "
                                                   "(they resume from the last checkpoint). Operational.")
+    import_from: str = _f("", doc="A published model to evaluate instead of training one (docs/MODELS.md): a .pt "
+                                  "file or diffusers folder under models/published/ (`dvc add` it); the train stage "
+                                  "then imports it into models/ddpm and trains nothing. '' trains.")
+    import_format: str = _f("improved-diffusion", choices=("improved-diffusion", "guided-diffusion", "diffusers"),
+                            doc="The format of `import_from`.")
 
 
 @dataclass(frozen=True)

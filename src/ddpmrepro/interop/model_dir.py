@@ -130,6 +130,20 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
     return config_out
 
 
+def use_published(params: Params, data_dir: Path, out: Path, live_dir: Path, introspect_dir: Path) -> dict:
+    """The train stage under `train.import_from`: imports the published model into `out` as the
+    EMA of `train.ema_rates[0]`, and leaves the training logs empty (no loss, no gradient tables:
+    nothing was trained, and nothing pretends it was). Returns the model's config.json."""
+    config = import_model(Path(params.train.import_from), params.train.import_format, out, params, data_dir,
+                          ema_rate=params.train.ema_rates[0])
+    for directory in (Path(live_dir), Path(introspect_dir)):
+        shutil.rmtree(directory, ignore_errors=True)
+    (Path(live_dir) / "plots" / "metrics").mkdir(parents=True)
+    Path(introspect_dir).mkdir(parents=True)
+    files.atomic_write_text(Path(live_dir) / "metrics.json", "{}\n")
+    return config
+
+
 def export_diffusers(model_dir: Path, out: Path, ema_rate: float) -> dict:
     """Writes a diffusers pipeline folder: `unet/` (UNet2DModel config + safetensors),
     `scheduler/scheduler_config.json` (DDPMScheduler) and `model_index.json` (DDPMPipeline).

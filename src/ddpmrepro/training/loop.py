@@ -63,7 +63,7 @@ class TrainPaths:
 
 # The code that trains, relative to the package: exactly the train stage's code deps in dvc.yaml
 # (a test keeps the two equal, and equal to what the stage imports).
-TRAIN_CODE = ("__init__.py", "cli.py", "params.py", "files.py", "data", "model", "runtime", "training")
+TRAIN_CODE = ("__init__.py", "cli.py", "params.py", "files.py", "data", "interop", "model", "runtime", "training")
 
 
 def code_version() -> str:
