@@ -331,7 +331,7 @@ def test_a_class_conditional_export_samples_in_diffusers_as_in_ddpmrepro(tiny_mo
     model, trained, _ = load_model(Path("models/tiny"), 0.999)
     diffusion = from_params(trained.diffusion, respacing="ddim10")
     expected = diffusion.ddim_sample(guided_model_fn(model, labels, w, 10), (4, 1, 8, 8), x_T=x_T.clone())
-    # diffusers keeps alphas_cumprod in float32, ours in float64 (measured max abs difference ~1e-6).
+    # diffusers keeps alphas_cumprod in float32, ours in float64 (measured max abs difference 4.8e-7).
     assert (got - expected).abs().max() <= 1e-4
 
 
@@ -381,3 +381,22 @@ def test_the_train_stage_with_import_from_imports_and_trains_nothing(small_id, t
     assert all(torch.equal(weights[k], v) for k, v in expected.items())
     assert json.loads((work / "live" / "metrics.json").read_text()) == {}
     assert list((work / "intro").iterdir()) == [] and not (work / "ckpt").exists()
+
+
+def test_an_unconditional_export_runs_in_ddpmpipeline(tiny_model_dir, tmp_path, monkeypatch):
+    ours = randomise(build_unet(P.ModelParams(class_cond=False), image_size=8, in_channels=1, num_classes=10,
+                                learn_sigma=False), 9)
+    cfg = DF.unet2d_config(ours, 8)
+    assert cfg["num_class_embeds"] is None
+    theirs = diffusers.UNet2DModel(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    theirs.load_state_dict(DF.to_diffusers(ours), strict=True)
+    theirs.save_pretrained(tmp_path / "uncond")
+    monkeypatch.chdir(tiny_model_dir)
+    assert cli("import", str(tmp_path / "uncond"), "--format", "diffusers", "--out", str(tmp_path / "model"),
+               "--data", "data").exit_code == 0
+    assert cli("export", "--format", "diffusers", "--model", str(tmp_path / "model"),
+               "--out", str(tmp_path / "out")).exit_code == 0
+    pipe = diffusers.DDPMPipeline.from_pretrained(tmp_path / "out")
+    images = pipe(batch_size=2, num_inference_steps=3, output_type="np",
+                  generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (2, 8, 8, 1) and ((images >= 0) & (images <= 1)).all()
