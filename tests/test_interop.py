@@ -400,3 +400,38 @@ def test_an_unconditional_export_runs_in_ddpmpipeline(tiny_model_dir, tmp_path, 
     images = pipe(batch_size=2, num_inference_steps=3, output_type="np",
                   generator=torch.Generator().manual_seed(0)).images
     assert images.shape == (2, 8, 8, 1) and ((images >= 0) & (images <= 1)).all()
+
+
+@pytest.mark.parametrize("case", ["truncated", "other-class", "block-type", "missing", "no-config"])
+def test_a_bad_diffusers_folder_stops_with_one_line_and_writes_nothing(tiny_model_dir, case, tmp_path, monkeypatch):
+    import shutil
+
+    src = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir / "src", src)
+    weights, config_path = src / "diffusion_pytorch_model.safetensors", src / "config.json"
+    config = json.loads(config_path.read_text())
+    if case == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+        expected = [str(weights), "truncated"]
+    elif case == "other-class":
+        config["_class_name"] = "UNet2DConditionModel"
+        expected = ["UNet2DConditionModel", "not a UNet2DModel"]
+    elif case == "block-type":
+        config["down_block_types"][0] = "SkipDownBlock2D"
+        expected = ["SkipDownBlock2D", "not supported"]
+    elif case == "missing":
+        from safetensors.torch import load_file, save_file
+        state = load_file(weights)
+        del state["mid_block.attentions.0.to_k.weight"]
+        save_file(state, weights)
+        expected = ["mid_block.attentions.0.to_k.weight", "missing"]
+    else:
+        config_path.unlink()
+        expected = ["no config.json"]
+    if config_path.exists():
+        config_path.write_text(json.dumps(config))
+    monkeypatch.chdir(tiny_model_dir)
+    (tiny_model_dir / "models").mkdir(exist_ok=True)
+    before = _snapshot(tiny_model_dir)
+    one_line_error(cli("import", str(src), "--format", "diffusers", "--out", "models/bad", "--data", "data"), *expected)
+    assert _snapshot(tiny_model_dir) == before
