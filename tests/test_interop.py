@@ -435,3 +435,17 @@ def test_a_bad_diffusers_folder_stops_with_one_line_and_writes_nothing(tiny_mode
     before = _snapshot(tiny_model_dir)
     one_line_error(cli("import", str(src), "--format", "diffusers", "--out", "models/bad", "--data", "data"), *expected)
     assert _snapshot(tiny_model_dir) == before
+
+
+def test_both_timestep_embeddings_equal_the_peers_own_functions():
+    from diffusers.models.embeddings import get_timestep_embedding
+    from improved_diffusion_for_SMLM.improved_diffusion.nn import timestep_embedding as theirs
+
+    from ddpmrepro.model.unet import timestep_embedding
+
+    t = torch.tensor([0.0, 1.0, 3.0, 250.0, 999.0, 917.25])
+    assert torch.allclose(timestep_embedding(t, 128), theirs(t, 128), rtol=0, atol=1e-6)
+    # DDPM's TF release = diffusers' Timesteps(flip_sin_to_cos=False, freq_shift=1) (google/ddpm-cifar10-32)
+    ddpm = get_timestep_embedding(t, 128, flip_sin_to_cos=False, downscale_freq_shift=1)
+    assert torch.allclose(timestep_embedding(t, 128, kind="ddpm"), ddpm, rtol=0, atol=1e-6)
+    assert not torch.allclose(timestep_embedding(t, 128), ddpm, atol=1e-2)

@@ -121,7 +121,7 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
                                                      data.manifest["class_names"]),
                               bpd, inception, evaluator_metrics, train)
     if unconditional:  # shown as not applicable (null), never as a 0 that reads like broken conditioning
-        headline = {k: None if k == "class_acc" else headline[k] for k in HEADLINE if k in headline or k == "class_acc"}
+        headline = {"class_acc": None, **headline}  # first, as in HEADLINE
         detail["samples"]["conditional"] = False
     files = {out: json.dumps(headline, indent=2) + "\n", detail_out: json.dumps(detail, indent=2) + "\n"}
     if table_out:
