@@ -449,3 +449,26 @@ def test_both_timestep_embeddings_equal_the_peers_own_functions():
     ddpm = get_timestep_embedding(t, 128, flip_sin_to_cos=False, downscale_freq_shift=1)
     assert torch.allclose(timestep_embedding(t, 128, kind="ddpm"), ddpm, rtol=0, atol=1e-6)
     assert not torch.allclose(timestep_embedding(t, 128), ddpm, atol=1e-2)
+
+
+@pytest.mark.parametrize("keys", [
+    dict(num_res_blocks=1, attention_resolutions=[4], scale_shift_norm=True),
+    dict(num_res_blocks=2, attention_resolutions=[8, 2], scale_shift_norm=False),
+])
+def test_resblock_updown_equals_diffusers_resnet_resampling_blocks(keys, one_thread):
+    """ADM's residual-block resampling (guided-diffusion's `resblock_updown`) against diffusers'
+    ResnetDownsampleBlock2D / ResnetUpsampleBlock2D and `downsample_type="resnet"`, both directions."""
+    ours = randomise(build_unet(P.ModelParams(channels=32, channel_mult=[1, 2, 2], num_head_channels=32,
+                                              resblock_updown=True, **keys),
+                                image_size=8, in_channels=3, num_classes=10, learn_sigma=True), 4)
+    cfg = DF.unet2d_config(ours, 8)
+    assert cfg["downsample_type"] == cfg["upsample_type"] == "resnet"
+    theirs = diffusers.UNet2DModel(**{k: v for k, v in cfg.items() if not k.startswith("_")}).eval()
+    theirs.load_state_dict(DF.to_diffusers(ours), strict=True)
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([1, 10])
+    with torch.no_grad():
+        assert rel(ours(x, T_PROBE, y), theirs(x, T_PROBE, class_labels=y).sample) <= 1e-5
+    assert DF.model_keys(cfg, source="config.json")["resblock_updown"] is True
+    back = DF.from_diffusers(theirs.state_dict(), ours, source="mem")
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())

@@ -41,8 +41,8 @@ def module_map(model: UNet) -> dict[str, tuple[str, type]]:
                 kind = "resnets" if isinstance(layer, ResBlock) else "attentions"
                 out[f"input_blocks.{i}.{k}"] = (f"down_blocks.{level}.{kind}.{j}", type(layer))
             i += 1
-        if level != levels - 1:
-            out[f"input_blocks.{i}.0"] = (f"down_blocks.{level}.downsamplers.0", Downsample)
+        if level != levels - 1:  # a strided conv, or a residual block that downsamples (ADM)
+            out[f"input_blocks.{i}.0"] = (f"down_blocks.{level}.downsamplers.0", type(model.input_blocks[i][0]))
             i += 1
     for k, name in enumerate(("resnets.0", "attentions.0", "resnets.1")):
         out[f"middle_block.{k}"] = (f"mid_block.{name}", type(model.middle_block[k]))
@@ -50,8 +50,8 @@ def module_map(model: UNet) -> dict[str, tuple[str, type]]:
     for up in range(levels):
         for j in range(nrb + 1):
             for k, layer in enumerate(model.output_blocks[i]):
-                if isinstance(layer, Upsample):
-                    out[f"output_blocks.{i}.{k}"] = (f"up_blocks.{up}.upsamplers.0", Upsample)
+                if isinstance(layer, Upsample) or getattr(layer, "updown", None) == "up":
+                    out[f"output_blocks.{i}.{k}"] = (f"up_blocks.{up}.upsamplers.0", type(layer))
                 else:
                     kind = "resnets" if isinstance(layer, ResBlock) else "attentions"
                     out[f"output_blocks.{i}.{k}"] = (f"up_blocks.{up}.{kind}.{j}", type(layer))
@@ -143,12 +143,15 @@ def unet2d_config(model: UNet, image_size: int) -> dict:
     res = next(m for m in model.modules() if isinstance(m, ResBlock))
     down = [m for m in model.modules() if isinstance(m, Downsample)]
     ddpm_time = model.time_embedding_kind == "ddpm"
+    resnet = any(getattr(m, "updown", None) for m in model.modules())  # ADM's resblock_updown
+    plain_down, plain_up = ("ResnetDownsampleBlock2D", "ResnetUpsampleBlock2D") if resnet else ("DownBlock2D", "UpBlock2D")
     return {
         "_class_name": "UNet2DModel",
         "sample_size": image_size, "in_channels": model.in_channels, "out_channels": model.out_channels,
         "block_out_channels": widths, "layers_per_block": model.num_res_blocks,
-        "down_block_types": ["AttnDownBlock2D" if a else "DownBlock2D" for a in attn_levels],
-        "up_block_types": ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn_levels)],
+        "down_block_types": ["AttnDownBlock2D" if a else plain_down for a in attn_levels],
+        "up_block_types": ["AttnUpBlock2D" if a else plain_up for a in reversed(attn_levels)],
+        "downsample_type": "resnet" if resnet else "conv", "upsample_type": "resnet" if resnet else "conv",
         "attention_head_dim": head_dims.pop(),
         "resnet_time_scale_shift": "scale_shift" if res.scale_shift_norm else "default",
         "dropout": res.out_layers[1].p,
@@ -165,7 +168,8 @@ def unet2d_config(model: UNet, image_size: int) -> dict:
 FIXED = {"time_embedding_type": "positional", "act_fn": "silu", "center_input_sample": False,
          "mid_block_scale_factor": 1, "add_attention": True, "class_embed_type": None,
          "resnet_time_scale_shift": ("default", "scale_shift"), "norm_num_groups": 32,
-         "downsample_type": "conv", "upsample_type": "conv"}
+         "downsample_type": ("conv", "resnet"), "upsample_type": ("conv", "resnet"), "resnet_skip_time_act": False,
+         "resnet_out_scale_factor": 1.0}
 
 
 def model_keys(config: dict, *, source: str) -> dict:
@@ -179,9 +183,14 @@ def model_keys(config: dict, *, source: str) -> dict:
             raise ConversionError(f"{source}: {key}={value!r} is not supported (ddpmrepro's UNet has {allowed!r})")
     widths = list(config["block_out_channels"])
     down, up = list(config["down_block_types"]), list(config["up_block_types"])
-    kinds = {"DownBlock2D": False, "AttnDownBlock2D": True}
-    if any(d not in kinds for d in down) or up != [d.replace("Down", "Up") for d in reversed(down)]:
-        raise ConversionError(f"{source}: block types {down} / {up} are not supported (DownBlock2D and "
+    resnet = config.get("downsample_type", "conv") == "resnet"
+    if resnet != (config.get("upsample_type", "conv") == "resnet"):
+        raise ConversionError(f"{source}: downsample_type and upsample_type must both be conv or both resnet")
+    plain = "ResnetDownsampleBlock2D" if resnet else "DownBlock2D"
+    kinds = {plain: False, "AttnDownBlock2D": True}
+    mirror = {plain: plain.replace("Down", "Up"), "AttnDownBlock2D": "AttnUpBlock2D"}
+    if any(d not in kinds for d in down) or up != [mirror[d] for d in reversed(down)]:
+        raise ConversionError(f"{source}: block types {down} / {up} are not supported ({plain} and "
                               "AttnDownBlock2D, mirrored on the way up)")
     if any(w % widths[0] for w in widths):
         raise ConversionError(f"{source}: block_out_channels {widths} are not multiples of the first")
@@ -199,6 +208,7 @@ def model_keys(config: dict, *, source: str) -> dict:
         "norm_eps": float(config.get("norm_eps", 1e-5)),
         "downsample_padding": "asymmetric" if config.get("downsample_padding", 1) == 0 else "symmetric",
         "class_cond": config.get("num_class_embeds") is not None,
+        "resblock_updown": resnet,
     }
     # attention_head_dim None: one head per layer, whatever its width (google/ddpm-cifar10-32).
     keys.update({"num_heads": 1, "num_head_channels": max(widths)} if head_dim is None else

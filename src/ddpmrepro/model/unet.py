@@ -45,7 +45,8 @@ PRESETS: dict[str, dict] = {
 # Keys every preset shares (this UNet's own choices); other values reproduce published models
 # exactly (docs/MODELS.md): DDPM's TF release needs time_embedding "ddpm", downsample_padding
 # "asymmetric" and norm_eps 1e-6; improved-diffusion's num_heads is a fixed head count per layer.
-SHARED_DEFAULTS: dict = dict(time_embedding="iddpm", downsample_padding="symmetric", norm_eps=1e-5, num_heads=None)
+SHARED_DEFAULTS: dict = dict(time_embedding="iddpm", downsample_padding="symmetric", norm_eps=1e-5, num_heads=None,
+                             resblock_updown=False)
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0, kind: str = "iddpm") -> torch.Tensor:
@@ -93,7 +94,7 @@ class ResBlock(nn.Module):
     """
 
     def __init__(self, in_channels: int, out_channels: int, emb_channels: int, dropout: float,
-                 scale_shift_norm: bool, norm_eps: float = 1e-5):
+                 scale_shift_norm: bool, norm_eps: float = 1e-5, updown: str | None = None):
         """
         :param in_channels: input feature channels.
         :param out_channels: output feature channels (a 1x1 conv matches the skip if they differ).
@@ -101,9 +102,11 @@ class ResBlock(nn.Module):
         :param dropout: dropout probability before the second conv.
         :param scale_shift_norm: AdaGN conditioning if True, additive otherwise.
         :param norm_eps: GroupNorm epsilon.
+        :param updown: "down" or "up": also halve (2x2 average) or double (nearest) the resolution,
+            on both paths, between the first SiLU and conv (ADM's `resblock_updown`); None: neither.
         """
         super().__init__()
-        self.scale_shift_norm = scale_shift_norm
+        self.scale_shift_norm, self.updown = scale_shift_norm, updown
         self.in_layers = nn.Sequential(
             group_norm(in_channels, norm_eps), nn.SiLU(), nn.Conv2d(in_channels, out_channels, 3, padding=1)
         )
@@ -119,8 +122,15 @@ class ResBlock(nn.Module):
         )
         self.skip = nn.Identity() if in_channels == out_channels else nn.Conv2d(in_channels, out_channels, 1)
 
+    def _resample(self, x: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool2d(x, 2) if self.updown == "down" else F.interpolate(x, scale_factor=2, mode="nearest")
+
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        h = self.in_layers(x)  # (B, C_out, H, W)
+        if self.updown is None:
+            h = self.in_layers(x)  # (B, C_out, H, W)
+        else:  # (B, C_out, H/2 or 2H, W/2 or 2W)
+            h = self.in_layers[2](self._resample(self.in_layers[1](self.in_layers[0](x))))
+            x = self._resample(x)
         e = self.emb_layers(emb)[:, :, None, None]  # (B, C_out or 2*C_out, 1, 1)
         if self.scale_shift_norm:
             scale, shift = e.chunk(2, dim=1)
@@ -219,7 +229,7 @@ class UNet(nn.Module):
                  num_res_blocks: int, attention_resolutions, dropout: float, channel_mult,
                  num_classes: int | None, num_head_channels: int, scale_shift_norm: bool, *,
                  time_embedding: str = "iddpm", downsample_padding: str = "symmetric", norm_eps: float = 1e-5,
-                 num_heads: int | None = None):
+                 num_heads: int | None = None, resblock_updown: bool = False):
         """
         :param image_size: side of the (square) input in pixels; 2**(len(channel_mult)-1) must divide it.
         :param in_channels: image channels (1 or 3).
@@ -237,7 +247,8 @@ class UNet(nn.Module):
         :param downsample_padding: "symmetric" (1 pixel each side) or "asymmetric" (TF's 0,1,0,1).
         :param norm_eps: epsilon of every GroupNorm.
         :param num_heads: a fixed number of heads per attention layer (replaces num_head_channels).
-        The last four default to this UNet's own choices; the others reproduce published models.
+        :param resblock_updown: resample with residual blocks (ADM) instead of strided/upsampling convs.
+        The last five default to this UNet's own choices; the others reproduce published models.
         """
         super().__init__()
         if time_embedding not in ("iddpm", "ddpm") or downsample_padding not in ("symmetric", "asymmetric"):
@@ -261,8 +272,8 @@ class UNet(nn.Module):
         )
         self.label_embed = nn.Embedding(num_classes + 1, emb_ch) if num_classes is not None else None
 
-        def res(cin: int, cout: int) -> ResBlock:
-            return ResBlock(cin, cout, emb_ch, dropout, scale_shift_norm, norm_eps)
+        def res(cin: int, cout: int, updown: str | None = None) -> ResBlock:
+            return ResBlock(cin, cout, emb_ch, dropout, scale_shift_norm, norm_eps, updown)
 
         def attn(c: int) -> AttentionBlock:
             return AttentionBlock(c, num_head_channels, norm_eps, num_heads)
@@ -280,7 +291,8 @@ class UNet(nn.Module):
                 self.input_blocks.append(EmbedSequential(*layers))
                 skip_chs.append(ch)
             if level != len(channel_mult) - 1:
-                self.input_blocks.append(EmbedSequential(Downsample(ch, downsample_padding == "asymmetric")))
+                self.input_blocks.append(EmbedSequential(
+                    res(ch, ch, "down") if resblock_updown else Downsample(ch, downsample_padding == "asymmetric")))
                 skip_chs.append(ch)
                 side //= 2
 
@@ -295,7 +307,7 @@ class UNet(nn.Module):
                 if side in attention_resolutions:
                     layers.append(attn(ch))
                 if level and i == num_res_blocks:
-                    layers.append(Upsample(ch))
+                    layers.append(res(ch, ch, "up") if resblock_updown else Upsample(ch))
                     side *= 2
                 self.output_blocks.append(EmbedSequential(*layers))
 
