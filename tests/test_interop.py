@@ -135,6 +135,8 @@ def test_an_imported_improved_diffusion_model_samples_what_its_own_sampler_sampl
     config = json.loads((root / "models/iddpm/config.json").read_text())
     assert config["source"]["sha256"] == sha256_file(pt) and config["ema_rates"] == [0.9999]
     assert config["params"]["diffusion"]["rescale_timesteps"] is True
+    assert config["architecture"] == {**config["architecture"], "channels": 32, "num_heads": 2, "class_cond": False,
+                                      "scale_shift_norm": True, "time_embedding": "iddpm"}
     model, trained, _ = load_model(root / "models/iddpm", 0.9999)
 
     # DDIM, 20 respaced steps of 4000, eta 0, 8 images from the same x_T: their sampler on their net.

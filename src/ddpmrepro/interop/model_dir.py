@@ -16,7 +16,7 @@ import torch
 
 from .. import files
 from ..data.prepared import read_manifest
-from ..model.unet import build_unet
+from ..model.unet import PRESETS, SHARED_DEFAULTS, build_unet
 from ..params import Params, from_dict
 from . import ConversionError
 from . import diffusers_unet as DF
@@ -113,6 +113,9 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
     rate = params.sample.ema_rate if ema_rate is None else float(ema_rate)
     config_out = {
         "params": params.to_dict(),
+        # The architecture as built (preset, overrides and defaults resolved), for a reader without the code.
+        "architecture": {**SHARED_DEFAULTS, **PRESETS[params.model.preset], **params.model.overrides(),
+                         "class_cond": params.model.class_cond},
         "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels", "class_names")},
         "ema_rates": [rate] if rate else [],
         "source": {"format": fmt, "file": weights_path.name, "sha256": files.sha256_file(weights_path),
