@@ -474,3 +474,18 @@ def test_resblock_updown_equals_diffusers_resnet_resampling_blocks(keys, one_thr
     assert DF.model_keys(cfg, source="config.json")["resblock_updown"] is True
     back = DF.from_diffusers(theirs.state_dict(), ours, source="mem")
     assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+
+def test_a_class_conditional_improved_diffusion_import_refuses_guidance(small_id, tmp_path, monkeypatch):
+    """Its null-label row is zero and was never trained: sampling with guidance is refused (exit 2)."""
+    root, _, _ = small_id
+    theirs = randomise(improved.UNetModel(1, 32, 2, 1, (2,), channel_mult=(1, 2), num_heads=2, num_classes=10,
+                                          use_scale_shift_norm=True), seed=6)
+    torch.save(theirs.state_dict(), tmp_path / "cond.pt")
+    raw = {**SMALL_ID, "model": {**SMALL_ID["model"], "class_cond": True}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({**raw, "sample": {**raw["sample"], "guidance": 0.5}}))
+    monkeypatch.chdir(tmp_path)
+    assert cli("import", "cond.pt", "--format", "improved-diffusion", "--out", "model",
+               "--data", str(root / "data")).exit_code == 0
+    result = cli("sample", "--model", "model", "--out", "samples")
+    assert result.exit_code == 2 and "sample.guidance" in result.stderr and not (tmp_path / "samples").exists()

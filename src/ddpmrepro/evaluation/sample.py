@@ -74,6 +74,9 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     D.init(device.type)
     rank, world = D.rank(), D.world_size()
     model, trained, config = load_model(model_dir, p.ema_rate, device)
+    if p.guidance and config.get("source", {}).get("untrained_null_label"):
+        raise ParamsError(f"sample.guidance={p.guidance:g}: {model_dir} was imported from a model without a null "
+                          "label (docs/MODELS.md), so guidance means nothing; set sample.guidance: 0")
     data = config["data"]
     # Respacing applies to both samplers (IDDPM samples DDPM on respaced steps too).
     try:  # params.yaml was checked against its own diffusion.timesteps; the model may have another T

@@ -119,7 +119,9 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
         "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels", "class_names")},
         "ema_rates": [rate] if rate else [],
         "source": {"format": fmt, "file": weights_path.name, "sha256": files.sha256_file(weights_path),
-                   **({"attention_order": attention_order} if fmt != "diffusers" else {})},
+                   **({"attention_order": attention_order} if fmt != "diffusers" else {}),
+                   # improved-/guided-diffusion have no null label: its row is zero, never trained.
+                   **({"untrained_null_label": True} if fmt != "diffusers" and params.model.class_cond else {})},
         "torch": torch.__version__,
     }
     tmp = out.with_name(f".{out.name}.tmp")
