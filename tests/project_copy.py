@@ -10,7 +10,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPELINE_FILES = ["src", "dvc.yaml", "Snakefile", "workflow", "profiles", ".dvcignore", ".gitignore", "pyproject.toml"]
+PIPELINE_FILES = ["src", "dvc.yaml", "Snakefile", "workflow", "profiles", ".dvcignore", ".gitignore", "pyproject.toml",
+                  "models/published"]  # a dep of the train stage (train.import_from)
 
 
 def copy_project(dest: Path, extra: tuple[str, ...] = ()) -> Path:

@@ -8,7 +8,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddpmrepro"
 # part -> the parts it may import (besides itself). A part is a subpackage or a top-level module.
 ALLOWED = {
-    "cli": {"params", "files", "pipeline", "data", "model", "training", "runtime", "evaluation", "__init__", "__version__"},
+    "cli": {"params", "files", "pipeline", "data", "model", "training", "runtime", "evaluation", "interop", "__init__",
+            "__version__"},
+    "interop": {"params", "files", "data", "model", "evaluation"},
     "pipeline": {"params"},
     "training": {"params", "files", "data", "model", "runtime"},
     "evaluation": {"params", "files", "data", "model", "runtime", "training.introspect"},

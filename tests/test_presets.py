@@ -30,8 +30,18 @@ def global_batch(t: P.TrainParams) -> int:
     return t.batch_per_proc * t.nproc * t.grad_accum
 
 
-def test_there_are_the_three_presets():
-    assert [c.name for c in CONFIGS] == ["ddpm-cifar10.yaml", "iddpm-cifar10.yaml", "mnist.yaml"]
+def test_there_are_the_three_presets_and_the_published_iddpm_model():
+    assert [c.name for c in CONFIGS] == ["ddpm-cifar10.yaml", "iddpm-cifar10-published.yaml", "iddpm-cifar10.yaml",
+                                         "mnist.yaml"]
+
+
+def test_the_published_iddpm_config_describes_cifar10_uncond_50M_500K():
+    """improved-diffusion's CIFAR-10 flags: 128 ch, 3 res blocks, 4 heads, attention at 16 and 8,
+    learned sigma, cosine, T=4000, rescale_timesteps; unconditional: 52,546,438 parameters."""
+    p = P.load(ROOT / "configs/iddpm-cifar10-published.yaml")
+    assert not p.model.class_cond and p.diffusion.rescale_timesteps and p.diffusion.timesteps == 4000
+    assert p.train.import_from == "models/published/cifar10_uncond_50M_500K.pt"
+    assert n_params(p) == 52_546_438
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda c: c.stem)

@@ -22,7 +22,7 @@ ENTRY = {  # the modules each stage's command runs (always through the CLI)
     "fit_evaluator": ["ddpmrepro.cli", "ddpmrepro.evaluation.evaluator", "ddpmrepro.data",
                       "ddpmrepro.runtime.cpu_slots"],
     "train": ["ddpmrepro.cli", "ddpmrepro.training.loop", "ddpmrepro.runtime.launch", "ddpmrepro.runtime.gpu_slots",
-              "ddpmrepro.runtime.cpu_slots", "ddpmrepro.runtime.torchrun"],
+              "ddpmrepro.runtime.cpu_slots", "ddpmrepro.runtime.torchrun", "ddpmrepro.interop.model_dir"],
     "sample": ["ddpmrepro.cli", "ddpmrepro.evaluation.sample", "ddpmrepro.runtime.launch",
                "ddpmrepro.runtime.gpu_slots", "ddpmrepro.runtime.cpu_slots", "ddpmrepro.runtime.torchrun"],
     "evaluate": ["ddpmrepro.cli", "ddpmrepro.evaluation.evaluate", "ddpmrepro.runtime.cpu_slots"],

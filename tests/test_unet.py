@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from ddpmrepro.params import ModelParams
-from ddpmrepro.model.unet import PRESETS, UNet, build_unet
+from ddpmrepro.model.unet import PRESETS, SHARED_DEFAULTS, UNet, build_unet
 
 
 def count(model: nn.Module) -> int:
@@ -25,9 +25,9 @@ def small_unet(**kw) -> UNet:
 
 
 def test_presets_have_the_keys_of_model_params():
-    keys = set(ModelParams().__dataclass_fields__) - {"preset"}
+    keys = set(ModelParams().__dataclass_fields__) - {"preset", "class_cond"}
     for name, cfg in PRESETS.items():
-        assert set(cfg) == keys, name
+        assert set(cfg) | set(SHARED_DEFAULTS) == keys, name
     assert set(PRESETS) == set(ModelParams.__dataclass_fields__["preset"].metadata["choices"])
 
 

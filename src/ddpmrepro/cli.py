@@ -251,6 +251,13 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
     from .runtime import launch
 
     params = _load_params(params_path)
+    if params.train.import_from:  # a published model: imported, not trained (docs/MODELS.md)
+        from .interop.model_dir import use_published
+
+        config = use_published(params, data_dir, out, live_dir, introspect_dir)
+        click.echo(f"training skipped: imported {params.train.import_from} (sha256 "
+                   f"{config['source']['sha256'][:12]}) -> {out}")
+        return
     nproc = nproc or params.train.nproc
     max_restarts = params.train.max_restarts if max_restarts is None else max_restarts
     if not D.in_launch():
@@ -368,7 +375,8 @@ def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir
     params = _load_params(params_path)
     _claim_cpus()
     metrics = run(params, samples_dir, data_dir, evaluator_dir, model_dir, out, detail_out, live_dir, table_out)
-    click.echo(" ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" -> {out}, {detail_out}")
+    click.echo(" ".join(f"{k}={v:.4g}" if v is not None else f"{k}=n/a" for k, v in metrics.items())
+               + f" -> {out}, {detail_out}")
 
 
 @main.command()
@@ -392,6 +400,59 @@ def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -
 
     paths = make_report(introspect_dir, live_dir, out, _load_params(params_path).report)
     click.echo(f"wrote {len(paths)} figures -> {out}")
+
+
+@main.command("import")
+@PARAMS_OPTION
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", required=True, type=click.Choice(["improved-diffusion", "guided-diffusion", "diffusers"]),
+              help="improved-/guided-diffusion: a UNetModel .pt state dict; diffusers: a UNet2DModel (or pipeline) folder.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The model directory to write, e.g. models/NAME.")
+@click.option("--data", "data_dir", default="data/prepared", show_default=True, type=click.Path(path_type=Path),
+              help="Prepared data the model is for (image size, channels, classes).")
+@click.option("--ema-rate", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="The EMA the weights are (0: raw weights). Default: sample.ema_rate.")
+@click.option("--attention-order", type=click.Choice(["legacy", "new"]), default="legacy", show_default=True,
+              help="guided-diffusion's use_new_attention_order (new); improved-diffusion is legacy.")
+@user_errors
+@writes(out="dir")
+def import_(params_path: Path, src: Path, fmt: str, out: Path, data_dir: Path, ema_rate: float | None,
+            attention_order: str) -> None:
+    """Convert a published model into the directory `train` writes (docs/MODELS.md).
+
+    \b
+    Reads:  SRC; params `model.*`/`diffusion.*` (for .pt files, which hold only tensors; a
+            diffusers folder's config.json and scheduler_config.json set them); DATA's manifest.
+    Writes: OUT/ema_<rate>.safetensors (or model.safetensors) + config.json (resolved params,
+            source file and its sha256); `sample` and `evaluate` read it as a trained model.
+    Fails, writing nothing, on a file of another architecture, a truncated file, missing or
+    unexpected keys, a shape mismatch, or a pickle that would run code.
+    """
+    from .interop.model_dir import import_model
+
+    config = import_model(src, fmt, out, _load_params(params_path), data_dir, ema_rate, attention_order)
+    click.echo(f"imported {src} (sha256 {config['source']['sha256'][:12]}) -> {out}")
+
+
+@main.command("export")
+@PARAMS_OPTION
+@click.option("--format", "fmt", required=True, type=click.Choice(["diffusers"]))
+@click.option("--model", "model_dir", default="models/ddpm", show_default=True, type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The folder to write.")
+@user_errors
+@writes(out="dir")
+def export(params_path: Path, fmt: str, model_dir: Path, out: Path) -> None:
+    """Write a trained (or imported) model as a diffusers pipeline folder.
+
+    \b
+    Reads:  params `sample.ema_rate`; MODEL.
+    Writes: OUT/unet/ (UNet2DModel config.json + safetensors), OUT/scheduler/scheduler_config.json
+            (DDPMScheduler), OUT/model_index.json (DDPMPipeline), OUT/ddpmrepro.json (null label).
+    """
+    from .interop.model_dir import export_diffusers
+
+    export_diffusers(model_dir, out, _load_params(params_path).sample.ema_rate)
+    click.echo(f"exported {model_dir} -> {out}")
 
 
 @main.command()

@@ -69,10 +69,28 @@ class ModelParams:
     dropout: float | None = _f(None, min=0.0, max=1.0, doc="Dropout in the residual blocks.")
     scale_shift_norm: bool | None = _f(None, doc="true: IDDPM's AdaGN (timestep scales and shifts the norm); "
                                                  "false: DDPM's additive embedding.")
+    # Switches that reproduce published models exactly (docs/MODELS.md); null = this UNet's own choice.
+    time_embedding: str | None = _f(None, choices=("iddpm", "ddpm"),
+                                    doc="Sinusoidal timestep embedding: `iddpm` (default; [cos, sin], frequencies "
+                                        "1e4^(-i/half)) or `ddpm` (the TF release of Ho et al.: [sin, cos], "
+                                        "1e4^(-i/(half-1))).")
+    downsample_padding: str | None = _f(None, choices=("symmetric", "asymmetric"),
+                                        doc="Padding of the stride-2 downsampling conv: `symmetric` (default, 1 "
+                                            "pixel each side) or `asymmetric` (TF's bottom/right only, as DDPM's "
+                                            "release).")
+    norm_eps: float | None = _f(None, min=0.0, min_exclusive=True, max=1.0,
+                                doc="GroupNorm epsilon (default 1e-5; DDPM's TF release: 1e-6).")
+    num_heads: int | None = _f(None, min=1, doc="A fixed number of attention heads in every attention layer "
+                                                "(improved-diffusion's `num_heads`); replaces num_head_channels.")
+    resblock_updown: bool | None = _f(None, doc="true: resample with residual blocks (average pool / nearest inside "
+                                                "the block, guided-diffusion's ADM) instead of strided / upsampling "
+                                                "convs. Default false.")
+    class_cond: bool = _f(True, doc="false: an unconditional model (no label table; sample.guidance is not used "
+                                    "and evaluate reports class_acc as null).")
 
     def overrides(self) -> dict:
-        """The architecture keys set explicitly in params.yaml."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "preset" and v is not None}
+        """The architecture keys set explicitly in params.yaml (class_cond is not a preset's key)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("preset", "class_cond") and v is not None}
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,9 @@ class DiffusionParams:
                            "learned interpolation between them (doubles the output channels).")
     loss: str = _f("mse", choices=("mse", "hybrid", "kl"), doc="`mse` (DDPM's simple loss), `hybrid` (mse + "
                                                                 "VLB x T/1000, IDDPM) or `kl` (the VLB alone).")
+    rescale_timesteps: bool = _f(False, doc="Feed the network t x 1000/T instead of the index t "
+                                            "(improved-diffusion's `rescale_timesteps`; its CIFAR-10 models need "
+                                            "it).")
 
 
 @dataclass(frozen=True)
@@ -132,6 +153,11 @@ class TrainParams:
                                                                    "Operational.")
     max_restarts: int = _f(0, min=0, max=100, doc="Under torchrun: relaunch all ranks this often after one fails "
                                                   "(they resume from the last checkpoint). Operational.")
+    import_from: str = _f("", doc="A published model to evaluate instead of training one (docs/MODELS.md): a .pt "
+                                  "file or diffusers folder under models/published/ (`dvc add` it); the train stage "
+                                  "then imports it into models/ddpm and trains nothing. '' trains.")
+    import_format: str = _f("improved-diffusion", choices=("improved-diffusion", "guided-diffusion", "diffusers"),
+                            doc="The format of `import_from`.")
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ def test_bits_per_dim(params: Params, model_dir: Path, images: np.ndarray, label
         xb, yb = x0[start:start + batch], y[start:start + batch]
         k = max(1, 256 // len(xb))
         gens = [torch.Generator().manual_seed(start + i) for i in range(len(xb))]
-        out = diffusion.bits_per_dim(lambda x, t, yk=yb.repeat(k): model(x, t, yk), xb, generators=gens,
+        yk = yb.repeat(k) if model.label_embed is not None else None  # None: an unconditional model
+        out = diffusion.bits_per_dim(lambda x, t, yk=yk: model(x, t, yk), xb, generators=gens,
                                      timesteps_per_call=k)
         total.append(out["total_bpd"])
     return float(torch.cat(total).mean())
@@ -92,6 +93,10 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     kid_subset = min(1000, n, len(f_test))
     gen = feature_metrics(f_gen, samples["labels"], f_test, data.test_labels, logits_gen=logits_gen,
                           k=p.pr_neighbourhood, kid_subset_size=kid_subset)
+    # Samples of an unconditional model carry label -1: no class to be right about, so no accuracy.
+    unconditional = bool((samples["labels"] < 0).all())
+    if unconditional:
+        gen["accuracy"] = None
     floor = real_floor(f_train, data.train_labels, f_test, data.test_labels, n, logits_a=logits_train,
                        k=p.pr_neighbourhood, kid_subset_size=kid_subset)
     floor = {k.removeprefix("floor_"): v for k, v in floor.items()}
@@ -115,6 +120,9 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     headline, detail = layout(gen, floor, _per_class(gen, floor, logits_gen, samples["labels"],
                                                      data.manifest["class_names"]),
                               bpd, inception, evaluator_metrics, train)
+    if unconditional:  # shown as not applicable (null), never as a 0 that reads like broken conditioning
+        headline = {"class_acc": None, **headline}  # first, as in HEADLINE
+        detail["samples"]["conditional"] = False
     files = {out: json.dumps(headline, indent=2) + "\n", detail_out: json.dumps(detail, indent=2) + "\n"}
     if table_out:
         files[table_out] = metrics_html(headline, detail)

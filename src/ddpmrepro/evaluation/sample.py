@@ -56,7 +56,12 @@ def generate(model, diffusion, labels: torch.Tensor, seeds: list[int], p: Sample
              shape: tuple[int, int, int], device, progress=None) -> torch.Tensor:
     """uint8 images (B, C, H, W) for these labels, each from its own seeded generator."""
     gens = [torch.Generator().manual_seed(s) for s in seeds]
-    model_fn = guided_model_fn(model, labels.to(device), p.guidance, num_classes)
+    if model.label_embed is None:  # unconditional: no labels, so nothing to guide
+        def model_fn(x, t):
+            return model(x, t)
+        model_fn.device = torch.device(device)
+    else:
+        model_fn = guided_model_fn(model, labels.to(device), p.guidance, num_classes)
     run = diffusion.ddim_sample if p.sampler == "ddim" else diffusion.ddpm_sample
     kwargs = {"eta": p.eta} if p.sampler == "ddim" else {}
     x = run(model_fn, (len(labels), *shape), generators=gens, progress=progress, device=device, **kwargs)
@@ -69,6 +74,9 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     D.init(device.type)
     rank, world = D.rank(), D.world_size()
     model, trained, config = load_model(model_dir, p.ema_rate, device)
+    if p.guidance and config.get("source", {}).get("untrained_null_label"):
+        raise ParamsError(f"sample.guidance={p.guidance:g}: {model_dir} was imported from a model without a null "
+                          "label (docs/MODELS.md), so guidance means nothing; set sample.guidance: 0")
     data = config["data"]
     # Respacing applies to both samplers (IDDPM samples DDPM on respaced steps too).
     try:  # params.yaml was checked against its own diffusion.timesteps; the model may have another T
@@ -108,6 +116,8 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
         else:
             all_images[mine] = images
         labels = np.arange(n) // p.per_class
+        if model.label_embed is None:  # an unconditional model was conditioned on nothing: label -1
+            labels = np.full(n, -1)
         seeds = np.array([image_seed(p.seed, k) for k in range(n)], dtype=np.int64)
         write_samples(out_dir, all_images.numpy(), labels, seeds, data["class_names"], params)
     D.barrier()
@@ -137,6 +147,8 @@ def save_grid(images: np.ndarray, labels: np.ndarray, class_names, path: Path, p
     """One row per class, the first `per_row` samples of each, upscaled for viewing."""
     from PIL import Image
 
+    if (labels < 0).all():  # unconditional samples: rows of `per_row` in order
+        labels = np.arange(len(labels)) // max(1, len(labels) // 10)
     n_cls = int(labels.max()) + 1
     c, h, w = images.shape[1:]
     grid = np.zeros((n_cls * (h + 1), per_row * (w + 1), c), dtype=np.uint8)

@@ -161,19 +161,24 @@ class GaussianDiffusion:
     """
 
     def __init__(self, betas, prediction: str = "eps", variance: str = "fixed_small", loss: str = "mse",
-                 timestep_map: Sequence[int] | None = None):
+                 timestep_map: Sequence[int] | None = None, rescale_timesteps: bool = False,
+                 original_num_steps: int | None = None):
         """
         :param betas: (T,) noise schedule, T >= 2, values in (0, 1].
         :param prediction: "eps" or "x0".
         :param variance: "fixed_small", "fixed_large" or "learned_range".
         :param loss: "mse", "hybrid" or "kl".
         :param timestep_map: original timestep of each step (default: the identity).
+        :param rescale_timesteps: call the model with t_orig * 1000 / original_num_steps (a float),
+            as improved-diffusion's `rescale_timesteps` does, instead of the integer t_orig.
+        :param original_num_steps: T of the unrespaced process (default: len(betas)).
         """
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or len(betas) < 2 or not ((betas > 0) & (betas <= 1)).all():
             raise ValueError("betas must be a 1-D array of at least 2 values in (0, 1]")
         self.prediction, self.variance, self.loss = Prediction(prediction), Variance(variance), Loss(loss)
         self.num_timesteps = len(betas)
+        self.time_scale = 1000.0 / (original_num_steps or len(betas)) if rescale_timesteps else None
         self.timestep_map = torch.as_tensor(
             list(timestep_map) if timestep_map is not None else range(self.num_timesteps), dtype=torch.int64)
 
@@ -211,8 +216,10 @@ class GaussianDiffusion:
         return table[t.cpu()].float().to(t.device).view(-1, *([1] * (ndim - 1)))
 
     def _call(self, model_fn: ModelFn, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Calls the model with the ORIGINAL timestep indices of a (possibly respaced) process."""
-        return model_fn(x, self.timestep_map.to(t.device)[t])
+        """Calls the model with the ORIGINAL timestep indices of a (possibly respaced) process
+        (rescaled to [0, 1000) as floats under `rescale_timesteps`)."""
+        t_orig = self.timestep_map.to(t.device)[t]
+        return model_fn(x, t_orig if self.time_scale is None else t_orig.float() * self.time_scale)
 
     # --- q: the forward process ---
 
@@ -552,7 +559,8 @@ def from_params(diffusion_params, respacing: str = "") -> GaussianDiffusion:
                 last = ac
                 kept.append(i)
         betas = np.array(new_betas)
-    return GaussianDiffusion(betas, p.prediction, p.variance, p.loss, timestep_map=kept)
+    return GaussianDiffusion(betas, p.prediction, p.variance, p.loss, timestep_map=kept,
+                             rescale_timesteps=getattr(p, "rescale_timesteps", False), original_num_steps=p.timesteps)
 
 
 __all__ = [

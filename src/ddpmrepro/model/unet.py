@@ -42,28 +42,40 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
+# Keys every preset shares (this UNet's own choices); other values reproduce published models
+# exactly (docs/MODELS.md): DDPM's TF release needs time_embedding "ddpm", downsample_padding
+# "asymmetric" and norm_eps 1e-6; improved-diffusion's num_heads is a fixed head count per layer.
+SHARED_DEFAULTS: dict = dict(time_embedding="iddpm", downsample_padding="symmetric", norm_eps=1e-5, num_heads=None,
+                             resblock_updown=False)
 
-def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0, kind: str = "iddpm") -> torch.Tensor:
     """Sinusoidal embedding of (possibly non-integer) timesteps, as in the Transformer.
 
     :param t: (B,) timesteps; the model embeds whatever index it is given.
     :param dim: embedding width (an odd width gets a zero last column).
     :param max_period: the longest wavelength.
-    :return: (B, dim) float32 embedding, [cos | sin].
+    :param kind: "iddpm": frequencies max_period^(-i/half), [cos | sin] (improved-diffusion);
+        "ddpm": max_period^(-i/(half-1)), [sin | cos], as the TF release of Ho et al. (and
+        diffusers' `flip_sin_to_cos=False, freq_shift=1`) computes it.
+    :return: (B, dim) float32 embedding.
     """
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    denominator = half - 1 if kind == "ddpm" else half
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / denominator)
     args = t.float()[:, None] * freqs[None]  # (B, half)
-    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    parts = [torch.sin(args), torch.cos(args)] if kind == "ddpm" else [torch.cos(args), torch.sin(args)]
+    emb = torch.cat(parts, dim=-1)
     if dim % 2:
         emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
     return emb
 
 
-def group_norm(channels: int) -> nn.GroupNorm:
-    """GroupNorm with 32 groups, or the largest count below 32 that divides `channels` (small widths)."""
+def group_norm(channels: int, eps: float = 1e-5) -> nn.GroupNorm:
+    """GroupNorm with 32 groups, or the largest count below 32 that divides `channels` (small widths).
+    `eps` 1e-5 is torch's default; the TF release of DDPM used 1e-6."""
     groups = next(g for g in range(min(32, channels), 0, -1) if channels % g == 0)
-    return nn.GroupNorm(groups, channels)
+    return nn.GroupNorm(groups, channels, eps=eps)
 
 
 def zero_module(module: nn.Module) -> nn.Module:
@@ -82,24 +94,27 @@ class ResBlock(nn.Module):
     """
 
     def __init__(self, in_channels: int, out_channels: int, emb_channels: int, dropout: float,
-                 scale_shift_norm: bool):
+                 scale_shift_norm: bool, norm_eps: float = 1e-5, updown: str | None = None):
         """
         :param in_channels: input feature channels.
         :param out_channels: output feature channels (a 1x1 conv matches the skip if they differ).
         :param emb_channels: width of the conditioning embedding.
         :param dropout: dropout probability before the second conv.
         :param scale_shift_norm: AdaGN conditioning if True, additive otherwise.
+        :param norm_eps: GroupNorm epsilon.
+        :param updown: "down" or "up": also halve (2x2 average) or double (nearest) the resolution,
+            on both paths, between the first SiLU and conv (ADM's `resblock_updown`); None: neither.
         """
         super().__init__()
-        self.scale_shift_norm = scale_shift_norm
+        self.scale_shift_norm, self.updown = scale_shift_norm, updown
         self.in_layers = nn.Sequential(
-            group_norm(in_channels), nn.SiLU(), nn.Conv2d(in_channels, out_channels, 3, padding=1)
+            group_norm(in_channels, norm_eps), nn.SiLU(), nn.Conv2d(in_channels, out_channels, 3, padding=1)
         )
         # AdaGN needs a scale and a shift per channel, hence twice the width.
         self.emb_layers = nn.Sequential(
             nn.SiLU(), nn.Linear(emb_channels, 2 * out_channels if scale_shift_norm else out_channels)
         )
-        self.out_norm = group_norm(out_channels)
+        self.out_norm = group_norm(out_channels, norm_eps)
         self.out_layers = nn.Sequential(
             nn.SiLU(), nn.Dropout(dropout),
             # Zero-init: the block starts as the identity, which keeps deep UNets stable early on.
@@ -107,8 +122,15 @@ class ResBlock(nn.Module):
         )
         self.skip = nn.Identity() if in_channels == out_channels else nn.Conv2d(in_channels, out_channels, 1)
 
+    def _resample(self, x: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool2d(x, 2) if self.updown == "down" else F.interpolate(x, scale_factor=2, mode="nearest")
+
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        h = self.in_layers(x)  # (B, C_out, H, W)
+        if self.updown is None:
+            h = self.in_layers(x)  # (B, C_out, H, W)
+        else:  # (B, C_out, H/2 or 2H, W/2 or 2W)
+            h = self.in_layers[2](self._resample(self.in_layers[1](self.in_layers[0](x))))
+            x = self._resample(x)
         e = self.emb_layers(emb)[:, :, None, None]  # (B, C_out or 2*C_out, 1, 1)
         if self.scale_shift_norm:
             scale, shift = e.chunk(2, dim=1)
@@ -121,12 +143,20 @@ class ResBlock(nn.Module):
 class AttentionBlock(nn.Module):
     """Multi-head self-attention over the spatial positions of a feature map, with a residual."""
 
-    def __init__(self, channels: int, num_head_channels: int):
+    def __init__(self, channels: int, num_head_channels: int, norm_eps: float = 1e-5, num_heads: int | None = None):
         """
         :param channels: feature channels; a multiple of `num_head_channels`, or fewer (one head).
         :param num_head_channels: channels per head (heads = channels // num_head_channels).
+        :param norm_eps: GroupNorm epsilon.
+        :param num_heads: if given, this many heads whatever the width (improved-diffusion's
+            `num_heads`); it replaces `num_head_channels`.
         """
         super().__init__()
+        if num_heads is not None:
+            if channels % num_heads:
+                raise ValueError(f"attention over {channels} channels cannot be split into {num_heads} heads; "
+                                 f"choose num_heads dividing {channels}")
+            num_head_channels = channels // num_heads
         # A narrow override of a wide preset (e.g. channels=32 with 256-channel heads) gets one head.
         num_head_channels = min(num_head_channels, channels)
         if channels % num_head_channels:
@@ -135,7 +165,7 @@ class AttentionBlock(nn.Module):
                 f"choose num_head_channels dividing {channels}"
             )
         self.num_heads = channels // num_head_channels
-        self.norm = group_norm(channels)
+        self.norm = group_norm(channels, norm_eps)
         self.qkv = nn.Conv1d(channels, 3 * channels, 1)
         self.proj_out = zero_module(nn.Conv1d(channels, channels, 1))
 
@@ -152,11 +182,19 @@ class AttentionBlock(nn.Module):
 class Downsample(nn.Module):
     """Halves the resolution with a strided 3x3 conv (DDPM)."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, asymmetric_padding: bool = False):
+        """
+        :param asymmetric_padding: pad one row and column at the bottom and right only, then
+            convolve unpadded (TF's "SAME" padding of a stride-2 conv, as the DDPM release does);
+            default: one pixel on every side (improved-diffusion). Same weights, other outputs.
+        """
         super().__init__()
-        self.op = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+        self.asymmetric_padding = asymmetric_padding
+        self.op = nn.Conv2d(channels, channels, 3, stride=2, padding=0 if asymmetric_padding else 1)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
+        if self.asymmetric_padding:
+            x = F.pad(x, (0, 1, 0, 1))
         return self.op(x)
 
 
@@ -189,7 +227,9 @@ class UNet(nn.Module):
 
     def __init__(self, image_size: int, in_channels: int, model_channels: int, out_channels: int,
                  num_res_blocks: int, attention_resolutions, dropout: float, channel_mult,
-                 num_classes: int | None, num_head_channels: int, scale_shift_norm: bool):
+                 num_classes: int | None, num_head_channels: int, scale_shift_norm: bool, *,
+                 time_embedding: str = "iddpm", downsample_padding: str = "symmetric", norm_eps: float = 1e-5,
+                 num_heads: int | None = None, resblock_updown: bool = False):
         """
         :param image_size: side of the (square) input in pixels; 2**(len(channel_mult)-1) must divide it.
         :param in_channels: image channels (1 or 3).
@@ -203,8 +243,18 @@ class UNet(nn.Module):
         :param num_classes: number of classes, or None for an unconditional model (y must be None).
         :param num_head_channels: channels per attention head.
         :param scale_shift_norm: IDDPM AdaGN conditioning if True, DDPM additive otherwise.
+        :param time_embedding: "iddpm" or "ddpm" (see `timestep_embedding`).
+        :param downsample_padding: "symmetric" (1 pixel each side) or "asymmetric" (TF's 0,1,0,1).
+        :param norm_eps: epsilon of every GroupNorm.
+        :param num_heads: a fixed number of heads per attention layer (replaces num_head_channels).
+        :param resblock_updown: resample with residual blocks (ADM) instead of strided/upsampling convs.
+        The last five default to this UNet's own choices; the others reproduce published models.
         """
         super().__init__()
+        if time_embedding not in ("iddpm", "ddpm") or downsample_padding not in ("symmetric", "asymmetric"):
+            raise ValueError(f"time_embedding must be iddpm|ddpm and downsample_padding symmetric|asymmetric, got "
+                             f"{time_embedding!r}, {downsample_padding!r}")
+        self.time_embedding_kind = time_embedding
         factor = 2 ** (len(channel_mult) - 1)
         if image_size % factor:
             raise ValueError(
@@ -213,6 +263,7 @@ class UNet(nn.Module):
             )
         self.image_size, self.in_channels, self.out_channels = image_size, in_channels, out_channels
         self.model_channels, self.num_classes = model_channels, num_classes
+        self.channel_mult, self.num_res_blocks = list(channel_mult), num_res_blocks  # read by interop's mappings
         attention_resolutions = set(attention_resolutions)
         emb_ch = 4 * model_channels
 
@@ -221,8 +272,11 @@ class UNet(nn.Module):
         )
         self.label_embed = nn.Embedding(num_classes + 1, emb_ch) if num_classes is not None else None
 
-        def res(cin: int, cout: int) -> ResBlock:
-            return ResBlock(cin, cout, emb_ch, dropout, scale_shift_norm)
+        def res(cin: int, cout: int, updown: str | None = None) -> ResBlock:
+            return ResBlock(cin, cout, emb_ch, dropout, scale_shift_norm, norm_eps, updown)
+
+        def attn(c: int) -> AttentionBlock:
+            return AttentionBlock(c, num_head_channels, norm_eps, num_heads)
 
         # Down path: remember each block's output width, for the skips the up path concatenates.
         ch, side = model_channels, image_size
@@ -233,15 +287,16 @@ class UNet(nn.Module):
                 layers = [res(ch, model_channels * mult)]
                 ch = model_channels * mult
                 if side in attention_resolutions:
-                    layers.append(AttentionBlock(ch, num_head_channels))
+                    layers.append(attn(ch))
                 self.input_blocks.append(EmbedSequential(*layers))
                 skip_chs.append(ch)
             if level != len(channel_mult) - 1:
-                self.input_blocks.append(EmbedSequential(Downsample(ch)))
+                self.input_blocks.append(EmbedSequential(
+                    res(ch, ch, "down") if resblock_updown else Downsample(ch, downsample_padding == "asymmetric")))
                 skip_chs.append(ch)
                 side //= 2
 
-        self.middle_block = EmbedSequential(res(ch, ch), AttentionBlock(ch, num_head_channels), res(ch, ch))
+        self.middle_block = EmbedSequential(res(ch, ch), attn(ch), res(ch, ch))
 
         # Up path: num_res_blocks + 1 blocks per level, each eating one skip.
         self.output_blocks = nn.ModuleList()
@@ -250,21 +305,21 @@ class UNet(nn.Module):
                 layers = [res(ch + skip_chs.pop(), model_channels * mult)]
                 ch = model_channels * mult
                 if side in attention_resolutions:
-                    layers.append(AttentionBlock(ch, num_head_channels))
+                    layers.append(attn(ch))
                 if level and i == num_res_blocks:
-                    layers.append(Upsample(ch))
+                    layers.append(res(ch, ch, "up") if resblock_updown else Upsample(ch))
                     side *= 2
                 self.output_blocks.append(EmbedSequential(*layers))
 
         self.out = nn.Sequential(
-            group_norm(ch), nn.SiLU(), zero_module(nn.Conv2d(ch, out_channels, 3, padding=1))
+            group_norm(ch, norm_eps), nn.SiLU(), zero_module(nn.Conv2d(ch, out_channels, 3, padding=1))
         )
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         """
         :param x: (B, C, H, W) noisy images.
-        :param t: (B,) int64 timestep indices (embedded as given: respaced samplers pass the
-            original indices).
+        :param t: (B,) timesteps, embedded as given: respaced samplers pass the original indices
+            (int64), or t * 1000 / T (float) under `diffusion.rescale_timesteps`.
         :param y: (B,) int64 labels in [0, num_classes] (num_classes = null label), or None for an
             unconditional model.
         :return: (B, out_channels, H, W).
@@ -274,7 +329,7 @@ class UNet(nn.Module):
                 "labels y are required by a class-conditional UNet (pass num_classes as the null label)"
                 if y is None else "this UNet is unconditional (num_classes=None); pass y=None"
             )
-        emb = self.time_embed(timestep_embedding(t, self.model_channels))  # (B, 4ch)
+        emb = self.time_embed(timestep_embedding(t, self.model_channels, kind=self.time_embedding_kind))  # (B, 4ch)
         if y is not None:
             emb = emb + self.label_embed(y)
         h, skips = x, []
@@ -294,18 +349,22 @@ def build_unet(model_params, *, image_size: int, in_channels: int, num_classes: 
     :param model_params: a `ddpmrepro.params.ModelParams`.
     :param image_size: image side in pixels.
     :param in_channels: image channels.
-    :param num_classes: classes (the null label is added), or None for unconditional.
+    :param num_classes: classes (the null label is added), or None for unconditional; ignored
+        (unconditional) when `model_params.class_cond` is false.
     :param learn_sigma: output 2 * in_channels (eps and the variance interpolant v).
     """
     if model_params.preset not in PRESETS:
         raise ValueError(f"unknown model preset {model_params.preset!r}; choose one of {', '.join(PRESETS)}")
-    cfg = {**PRESETS[model_params.preset], **model_params.overrides()}
+    cfg = {**SHARED_DEFAULTS, **PRESETS[model_params.preset], **model_params.overrides()}
     return UNet(
         image_size=image_size, in_channels=in_channels, model_channels=cfg["channels"],
         out_channels=2 * in_channels if learn_sigma else in_channels,
         num_res_blocks=cfg["num_res_blocks"], attention_resolutions=cfg["attention_resolutions"],
-        dropout=cfg["dropout"], channel_mult=cfg["channel_mult"], num_classes=num_classes,
+        dropout=cfg["dropout"], channel_mult=cfg["channel_mult"],
+        num_classes=num_classes if getattr(model_params, "class_cond", True) else None,
         num_head_channels=cfg["num_head_channels"], scale_shift_norm=cfg["scale_shift_norm"],
+        # Options that reproduce published models (docs/MODELS.md); unset: this UNet's defaults.
+        **{k: cfg[k] for k in SHARED_DEFAULTS},
     )
 
 
@@ -316,4 +375,4 @@ def count_parameters(model_params, **shape) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["UNet", "PRESETS", "build_unet", "count_parameters", "timestep_embedding"]
+__all__ = ["UNet", "PRESETS", "SHARED_DEFAULTS", "build_unet", "count_parameters", "timestep_embedding"]

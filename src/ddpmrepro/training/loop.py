@@ -63,7 +63,7 @@ class TrainPaths:
 
 # The code that trains, relative to the package: exactly the train stage's code deps in dvc.yaml
 # (a test keeps the two equal, and equal to what the stage imports).
-TRAIN_CODE = ("__init__.py", "cli.py", "params.py", "files.py", "data", "model", "runtime", "training")
+TRAIN_CODE = ("__init__.py", "cli.py", "params.py", "files.py", "data", "interop", "model", "runtime", "training")
 
 
 def code_version() -> str:
@@ -341,7 +341,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                         x0, y, t, weights, noise = (v.pin_memory() for v in (x0, y, t, weights, noise))
                     x0, y, t, weights, noise = (v.to(device, non_blocking=True) for v in (x0, y, t, weights, noise))
 
-                    def model_fn(x, tt, y=y):
+                    def model_fn(x, tt, y=y if params.model.class_cond else None):  # None: unconditional
                         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                             out = model(x, tt, y)
                         return out.float()  # diffusion math runs in fp32, outside autocast

@@ -1,0 +1,491 @@
+"""Published models in, ours out: exact against the peers' own code, with every weight randomised.
+
+Oracles (test-only extras, nothing downloaded): improved-diffusion's UNetModel and sampler as shipped
+unchanged in `improved-diffusion-for-SMLM`, and diffusers' UNet2DModel / schedulers. Every weight is
+drawn from N(0, 0.05) before comparing, because our output convs are zero-initialised (a fresh model
+outputs 0 and any mapping would pass). Bars: strict key matching both ways, output relative L2
+error <= 1e-5 at small and large t with real and null labels.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from ddpmrepro import params as P
+from ddpmrepro.cli import main
+from ddpmrepro.data import prepare
+from ddpmrepro.interop import ConversionError
+from ddpmrepro.interop import diffusers_unet as DF
+from ddpmrepro.interop import improved_diffusion as ID
+from ddpmrepro.model.diffusion import from_params
+from ddpmrepro.model.unet import build_unet
+
+improved = pytest.importorskip("improved_diffusion_for_SMLM.improved_diffusion.unet")
+diffusers = pytest.importorskip("diffusers")
+
+T_PROBE = torch.tensor([3, 917])  # small and large t
+
+
+def randomise(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def one_line_error(result, *fragments: str) -> str:
+    assert result.exit_code == 1, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+# --- improved-diffusion UNetModel -> ours, at the CIFAR-10 presets -----------------------------------------
+
+
+@pytest.mark.parametrize("preset,keys,theirs_kw,learn_sigma", [
+    # cifar10_uncond_50M_500K.pt's architecture: 4 heads, AdaGN, attention at ds 2 and 4, learned sigma.
+    ("iddpm-cifar10", {"class_cond": False}, dict(num_res_blocks=3, attention_resolutions=(2, 4), dropout=0.3,
+                                                  num_heads=4, use_scale_shift_norm=True), True),
+    # DDPM's layout in improved-diffusion's code, class-conditional: one head, additive embedding.
+    ("ddpm-cifar10", {}, dict(num_res_blocks=2, attention_resolutions=(2,), dropout=0.1, num_heads=1,
+                              use_scale_shift_norm=False, num_classes=10), False),
+])
+def test_improved_diffusion_weights_give_its_unets_outputs(preset, keys, theirs_kw, learn_sigma, one_thread):
+    theirs = randomise(improved.UNetModel(3, 128, 6 if learn_sigma else 3, channel_mult=(1, 2, 2, 2), **theirs_kw))
+    ours = build_unet(P.ModelParams(preset=preset, **keys), image_size=32, in_channels=3, num_classes=10,
+                      learn_sigma=learn_sigma).eval()
+    ours.load_state_dict(ID.to_ours(theirs.state_dict(), ours, source="their.pt"), strict=True)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([1, 7]) if "num_classes" in theirs_kw else None
+    with torch.no_grad():
+        assert rel(ours(x, T_PROBE, y), theirs(x, T_PROBE, y)) <= 1e-5
+        if y is not None:
+            # The null label (a row the import adds, zero) is their network without a label embedding.
+            hook = theirs.label_emb.register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+            assert rel(ours(x, T_PROBE, torch.tensor([10, 10])), theirs(x, T_PROBE, y)) <= 1e-5
+            hook.remove()
+    # Both ways, bitwise: the permutation of the qkv rows is its own exact inverse.
+    back = ID.from_ours(ours)
+    assert back.keys() == theirs.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in theirs.state_dict().items())
+
+
+def test_the_qkv_permutation_is_needed_and_exact():
+    w = torch.arange(3 * 8 * 2, dtype=torch.float32).reshape(24, 2)  # 8 channels, 2 heads of 4
+    ours = ID.qkv_per_head_to_per_tensor(w, heads=2)
+    # their rows: head 0 = [q0(0..3) k0(4..7) v0(8..11)], head 1 = [q1 k1 v1]; ours: [q0 q1 | k0 k1 | v0 v1]
+    assert ours[:, 0].tolist() == [r * 2 for r in (*range(0, 4), *range(12, 16), *range(4, 8), *range(16, 20),
+                                                   *range(8, 12), *range(20, 24))]
+    assert torch.equal(ID.qkv_per_tensor_to_per_head(ours, heads=2), w)
+    assert torch.equal(ID.qkv_per_head_to_per_tensor(w, heads=1), w)  # one head: the same layout
+
+
+# --- import through the CLI, then sample: equal to improved-diffusion's own DDIM -----------------------------
+
+SMALL_ID = {  # a small improved-diffusion UNetModel: uncond, 2 heads, AdaGN, learned sigma, T=4000 rescaled
+    "model": {"channels": 32, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_resolutions": [4],
+              "num_heads": 2, "class_cond": False},
+    "diffusion": {"timesteps": 4000, "schedule": "cosine", "variance": "learned_range", "loss": "hybrid",
+                  "rescale_timesteps": True},
+    "sample": {"ema_rate": 0.9999, "respacing": "ddim20", "per_class": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def small_id(tmp_path_factory, one_thread):
+    """(workdir with data/ and params.yaml, their network, the .pt file)."""
+    root = tmp_path_factory.mktemp("interop")
+    prepare(P.DataParams(), root / "data")
+    (root / "params.yaml").write_text(yaml.safe_dump(SMALL_ID))
+    theirs = randomise(improved.UNetModel(1, 32, 2, 1, (2,), channel_mult=(1, 2), num_heads=2,
+                                          use_scale_shift_norm=True), seed=3)
+    torch.save(theirs.state_dict(), root / "ema_0.9999_500000.pt")
+    return root, theirs, root / "ema_0.9999_500000.pt"
+
+
+def test_an_imported_improved_diffusion_model_samples_what_its_own_sampler_samples(small_id, monkeypatch):
+    from improved_diffusion_for_SMLM.improved_diffusion.script_util import create_gaussian_diffusion
+
+    from ddpmrepro.evaluation.sample import load_model
+    from ddpmrepro.files import sha256_file
+
+    root, theirs, pt = small_id
+    monkeypatch.chdir(root)
+    result = cli("import", str(pt), "--format", "improved-diffusion", "--out", "models/iddpm", "--data", "data")
+    assert result.exit_code == 0, result.output
+    config = json.loads((root / "models/iddpm/config.json").read_text())
+    assert config["source"]["sha256"] == sha256_file(pt) and config["ema_rates"] == [0.9999]
+    assert config["params"]["diffusion"]["rescale_timesteps"] is True
+    assert config["architecture"] == {**config["architecture"], "channels": 32, "num_heads": 2, "class_cond": False,
+                                      "scale_shift_norm": True, "time_embedding": "iddpm"}
+    model, trained, _ = load_model(root / "models/iddpm", 0.9999)
+
+    # DDIM, 20 respaced steps of 4000, eta 0, 8 images from the same x_T: their sampler on their net.
+    x_T = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(5))
+    their_diffusion = create_gaussian_diffusion(steps=4000, learn_sigma=True, noise_schedule="cosine",
+                                                rescale_timesteps=True, timestep_respacing="ddim20")
+    with torch.no_grad():
+        expected = their_diffusion.ddim_sample_loop(theirs, (8, 1, 8, 8), noise=x_T.clone(), clip_denoised=True)
+    ours = from_params(trained.diffusion, respacing="ddim20")
+    got = ours.ddim_sample(lambda x, t: model(x, t), (8, 1, 8, 8), x_T=x_T.clone())
+    assert (got - expected).abs().max() <= 1e-5  # measured 6.6e-7
+    # The rescale matters: fed the raw index t, the same weights sample something else.
+    raw = from_params(P.DiffusionParams(**{**SMALL_ID["diffusion"], "rescale_timesteps": False}), respacing="ddim20")
+    assert (raw.ddim_sample(lambda x, t: model(x, t), (8, 1, 8, 8), x_T=x_T.clone()) - expected).abs().max() > 1e-3
+
+
+# --- bad input: one line naming the file or key, exit 1, nothing written ----------------------------------------
+
+
+def _snapshot(root: Path) -> dict:
+    return {f.relative_to(root).as_posix(): f.read_bytes() if f.is_file() else None for f in sorted(root.rglob("*"))
+            if "data" not in f.relative_to(root).parts}
+
+
+class Payload:
+    """A pickle that would run code when loaded (here: create a file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("case", ["truncated", "missing", "unexpected", "shape", "other-architecture", "code",
+                                  "not-a-state-dict"])
+def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case, tmp_path, monkeypatch):
+    root, theirs, pt = small_id
+    monkeypatch.chdir(root)
+    state = theirs.state_dict()
+    bad = tmp_path / "bad.pt"
+    marker = tmp_path / "code-ran"
+    if case == "truncated":
+        bad.write_bytes(pt.read_bytes()[: pt.stat().st_size // 2])
+        expected = [str(bad), "truncated"]
+    elif case == "missing":
+        torch.save({k: v for k, v in state.items() if k != "middle_block.1.qkv.weight"}, bad)
+        expected = ["middle_block.1.qkv.weight", "missing"]
+    elif case == "unexpected":
+        torch.save({**state, "extra.weight": torch.zeros(3)}, bad)
+        expected = ["extra.weight", "unexpected"]
+    elif case == "shape":
+        torch.save({**state, "out.2.weight": torch.zeros(1, 32, 3, 3)}, bad)  # fixed sigma: 1 output channel
+        expected = ["out.2.weight", "[1, 32, 3, 3]", "[2, 32, 3, 3]"]
+    elif case == "other-architecture":  # a diffusers UNet's tensors
+        torch.save(DF.to_diffusers(build_unet(P.ModelParams(), image_size=8, in_channels=1, num_classes=10,
+                                              learn_sigma=False)), bad)
+        expected = ["missing", "not an improved-diffusion UNetModel"]
+    elif case == "code":
+        with open(bad, "wb") as f:
+            torch.save({"x": torch.zeros(1), "payload": Payload(marker)}, f, pickle_protocol=2)
+        expected = [str(bad), "refused", "nothing in the file is run"]
+    else:
+        torch.save([torch.zeros(1)], bad)
+        expected = [str(bad), "not a state dict"]
+    (root / "models").mkdir(exist_ok=True)
+    before = _snapshot(root)
+    one_line_error(cli("import", str(bad), "--format", "improved-diffusion", "--out", "models/bad", "--data", "data"), *expected)
+    assert _snapshot(root) == before and not marker.exists()
+
+
+# --- diffusers: export, import, round trips ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset,learn_sigma,size,channels", [("tiny", False, 8, 1), ("iddpm-cifar10", True, 32, 3)])
+def test_export_to_unet2dmodel_is_exact_with_every_parameter(preset, learn_sigma, size, channels, one_thread):
+    ours = randomise(build_unet(P.ModelParams(preset=preset), image_size=size, in_channels=channels, num_classes=10,
+                                learn_sigma=learn_sigma))
+    cfg = DF.unet2d_config(ours, size)
+    theirs = diffusers.UNet2DModel(**{k: v for k, v in cfg.items() if not k.startswith("_")}).eval()
+    theirs.load_state_dict(DF.to_diffusers(ours), strict=True)
+    assert sum(p.numel() for p in theirs.parameters()) == sum(p.numel() for p in ours.parameters())
+    x = torch.randn(2, channels, size, size, generator=torch.Generator().manual_seed(1))
+    for y in (torch.tensor([1, 7]), torch.tensor([10, 10])):  # real labels, the null label
+        with torch.no_grad():
+            assert rel(theirs(x, T_PROBE, class_labels=y).sample, ours(x, T_PROBE, y)) <= 1e-5
+    back = DF.from_diffusers(theirs.state_dict(), ours, source="mem")
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+
+# google/ddpm-cifar10-32's config.json (the TF release converted), as published; its weights are random here.
+GOOGLE_DDPM_CIFAR10 = {
+    "_class_name": "UNet2DModel", "act_fn": "silu", "attention_head_dim": None,
+    "block_out_channels": [128, 256, 256, 256], "center_input_sample": False,
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"], "downsample_padding": 0,
+    "flip_sin_to_cos": False, "freq_shift": 1, "in_channels": 3, "layers_per_block": 2, "mid_block_scale_factor": 1,
+    "norm_eps": 1e-06, "norm_num_groups": 32, "out_channels": 3, "sample_size": 32, "time_embedding_type": "positional",
+    "up_block_types": ["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
+}
+GOOGLE_SCHEDULER = {"_class_name": "DDPMScheduler", "beta_end": 0.02, "beta_schedule": "linear", "beta_start": 0.0001,
+                    "clip_sample": True, "num_train_timesteps": 1000, "trained_betas": None, "variance_type": "fixed_large"}
+
+
+def test_google_ddpm_cifar10_layout_imports_exactly_with_the_three_ddpm_switches(tmp_path, one_thread):
+    theirs = randomise(diffusers.UNet2DModel(**{k: v for k, v in GOOGLE_DDPM_CIFAR10.items() if k != "_class_name"}))
+    theirs.save_pretrained(tmp_path / "google")
+    (tmp_path / "google" / "scheduler_config.json").write_text(json.dumps(GOOGLE_SCHEDULER))
+    keys = DF.model_keys(json.loads((tmp_path / "google" / "config.json").read_text()), source="config.json")
+    assert (keys["time_embedding"], keys["downsample_padding"], keys["norm_eps"]) == ("ddpm", "asymmetric", 1e-6)
+    assert DF.diffusion_keys(GOOGLE_SCHEDULER, source="s") == {"timesteps": 1000, "schedule": "linear",
+                                                                "variance": "fixed_large", "prediction": "eps"}
+    params = P.ModelParams(preset="ddpm-cifar10", **keys)
+    ours = build_unet(params, image_size=32, in_channels=3, num_classes=10, learn_sigma=False).eval()
+    from safetensors.torch import load_file
+    ours.load_state_dict(DF.from_diffusers(load_file(tmp_path / "google" / "diffusion_pytorch_model.safetensors"),
+                                           ours, source="google"), strict=True)
+    assert sum(p.numel() for p in ours.parameters()) == 35_746_307  # the preset's count, unconditional
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(x, T_PROBE).sample
+        assert rel(ours(x, T_PROBE), expected) <= 1e-5
+        # Without the three switches the same weights compute something else (measured rel ~1).
+        plain = build_unet(P.ModelParams(preset="ddpm-cifar10", class_cond=False, num_heads=1), image_size=32,
+                           in_channels=3, num_classes=10, learn_sigma=False).eval()
+        plain.load_state_dict(ours.state_dict())
+        assert rel(plain(x, T_PROBE), expected) > 0.05
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, one_thread) -> Path:
+    """A class-conditional tiny model directory (random weights) imported from a diffusers folder."""
+    root = tmp_path_factory.mktemp("tiny_diffusers")
+    prepare(P.DataParams(), root / "data")
+    (root / "params.yaml").write_text(yaml.safe_dump({"sample": {"ema_rate": 0.999, "respacing": "ddim10"}}))
+    ours = randomise(build_unet(P.ModelParams(), image_size=8, in_channels=1, num_classes=10, learn_sigma=False), 7)
+    cfg = DF.unet2d_config(ours, 8)
+    theirs = diffusers.UNet2DModel(**{k: v for k, v in cfg.items() if not k.startswith("_")}).eval()
+    theirs.load_state_dict(DF.to_diffusers(ours), strict=True)
+    theirs.save_pretrained(root / "src")
+    return root
+
+
+def test_diffusers_folder_imports_and_exports_back_bitwise(tiny_model_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    monkeypatch.chdir(tiny_model_dir)
+    assert cli("import", "src", "--format", "diffusers", "--out", "models/tiny", "--data", "data").exit_code == 0
+    assert cli("export", "--format", "diffusers", "--model", "models/tiny", "--out", str(tmp_path / "out")).exit_code == 0
+    # diffusers' own loaders read the export, and its weights are the source's, bit for bit.
+    unet = diffusers.UNet2DModel.from_pretrained(tmp_path / "out" / "unet")
+    source = load_file(tiny_model_dir / "src" / "diffusion_pytorch_model.safetensors")
+    assert unet.state_dict().keys() == source.keys()
+    assert all(torch.equal(unet.state_dict()[k], v) for k, v in source.items())
+    scheduler = diffusers.DDPMScheduler.from_pretrained(tmp_path / "out" / "scheduler")
+    ours = from_params(P.DiffusionParams())
+    assert scheduler.config.beta_schedule == "squaredcos_cap_v2" and scheduler.config.variance_type == "fixed_small"
+    assert torch.allclose(scheduler.alphas_cumprod.double(), ours.alphas_cumprod, rtol=1e-5)
+    # diffusers' save_pretrained of the loaded export, imported again: the same tensors once more.
+    unet.save_pretrained(tmp_path / "again")
+    assert cli("import", str(tmp_path / "again"), "--format", "diffusers", "--out", "models/again", "--data", "data").exit_code == 0
+    a = load_file(tiny_model_dir / "models/tiny/ema_0.999.safetensors")
+    b = load_file(tiny_model_dir / "models/again/ema_0.999.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def diffusers_class_conditional_ddim(unet, scheduler, labels, guidance: float, steps: int, x_T):
+    """docs/MODELS.md's loop: DDIMPipeline passes no labels, so a class-conditional export is
+    sampled by hand. ddpmrepro's guidance w is diffusers' scale s = 1 + w:
+    eps = eps_u + s (eps_c - eps_u) = (1 + w) eps_c - w eps_u."""
+    null = torch.full_like(labels, unet.config.num_class_embeds - 1)  # the last row is the null label
+    scheduler.set_timesteps(steps)
+    x = x_T
+    for t in scheduler.timesteps:
+        with torch.no_grad():
+            out = unet(torch.cat([x, x]), t, class_labels=torch.cat([labels, null])).sample
+        cond, uncond = out[:, :x.shape[1]].chunk(2)  # eps only (a learned-sigma model has more channels)
+        eps = uncond + (1 + guidance) * (cond - uncond)
+        x = scheduler.step(eps, t, x, eta=0.0, use_clipped_model_output=True).prev_sample
+    return x.clamp(-1, 1)
+
+
+def test_a_class_conditional_export_samples_in_diffusers_as_in_ddpmrepro(tiny_model_dir, tmp_path, monkeypatch):
+    from ddpmrepro.evaluation.sample import load_model
+    from ddpmrepro.model.diffusion import guided_model_fn
+
+    monkeypatch.chdir(tiny_model_dir)
+    assert cli("import", "src", "--format", "diffusers", "--out", "models/tiny", "--data", "data").exit_code == 0
+    assert cli("export", "--format", "diffusers", "--model", "models/tiny", "--out", str(tmp_path / "out")).exit_code == 0
+    unet = diffusers.UNet2DModel.from_pretrained(tmp_path / "out" / "unet").eval()
+    scheduler = diffusers.DDIMScheduler.from_pretrained(tmp_path / "out" / "scheduler")
+    labels, w = torch.tensor([0, 3, 9, 5]), 0.5
+    x_T = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+    got = diffusers_class_conditional_ddim(unet, scheduler, labels, w, 10, x_T.clone())
+    model, trained, _ = load_model(Path("models/tiny"), 0.999)
+    diffusion = from_params(trained.diffusion, respacing="ddim10")
+    expected = diffusion.ddim_sample(guided_model_fn(model, labels, w, 10), (4, 1, 8, 8), x_T=x_T.clone())
+    # diffusers keeps alphas_cumprod in float32, ours in float64 (measured max abs difference 4.8e-7).
+    assert (got - expected).abs().max() <= 1e-4
+
+
+def test_what_diffusers_cannot_express_is_refused_on_export():
+    narrow = build_unet(P.ModelParams(channels=16, num_head_channels=16), image_size=8, in_channels=1, num_classes=10,
+                        learn_sigma=False)
+    with pytest.raises(ConversionError, match="fewer than 32 groups"):
+        DF.unet2d_config(narrow, 8)
+    with pytest.raises(ConversionError, match="rescale_timesteps"):
+        DF.scheduler_config(P.DiffusionParams(rescale_timesteps=True))
+
+
+def test_the_train_step_benchmarks_diffusers_unet_has_our_parameter_count():
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    pytest.importorskip("greenlet")
+    from train_step import diffusers_unet
+
+    a = argparse.Namespace(preset="tiny", image_size=8, channels=1)
+    theirs = diffusers_unet(a, 10)
+    ours = build_unet(P.ModelParams(), image_size=8, in_channels=1, num_classes=10, learn_sigma=False)
+    assert sum(p.numel() for p in theirs.parameters()) == sum(p.numel() for p in ours.parameters()) == 457_761
+
+
+def test_the_train_stage_with_import_from_imports_and_trains_nothing(small_id, tmp_path, monkeypatch):
+    """The pipeline path: `train.import_from` makes the train stage an import (DVC tracks the file
+    under models/published/); its logs stay empty rather than pretending a training run."""
+    from safetensors.torch import load_file
+
+    root, theirs, pt = small_id
+    work = tmp_path / "work"
+    (work / "models" / "published").mkdir(parents=True)
+    (work / "models" / "published" / pt.name).write_bytes(pt.read_bytes())
+    (work / "data").symlink_to(root / "data")
+    raw = {**SMALL_ID, "train": {"import_from": f"models/published/{pt.name}", "ema_rates": [0.9999]}}
+    (work / "params.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(work)
+    result = cli("train", "--data", "data", "--out", "models/ddpm", "--live", "live", "--introspect", "intro",
+                 "--checkpoints", "ckpt")
+    assert result.exit_code == 0, result.output
+    assert "training skipped" in result.output
+    weights = load_file(work / "models/ddpm/ema_0.9999.safetensors")
+    expected = ID.to_ours(theirs.state_dict(), build_unet(P.from_dict(SMALL_ID).model, image_size=8, in_channels=1,
+                                                          num_classes=10, learn_sigma=True), source="x")
+    assert all(torch.equal(weights[k], v) for k, v in expected.items())
+    assert json.loads((work / "live" / "metrics.json").read_text()) == {}
+    assert list((work / "intro").iterdir()) == [] and not (work / "ckpt").exists()
+
+
+def test_an_unconditional_export_runs_in_ddpmpipeline(tiny_model_dir, tmp_path, monkeypatch):
+    ours = randomise(build_unet(P.ModelParams(class_cond=False), image_size=8, in_channels=1, num_classes=10,
+                                learn_sigma=False), 9)
+    cfg = DF.unet2d_config(ours, 8)
+    assert cfg["num_class_embeds"] is None
+    theirs = diffusers.UNet2DModel(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    theirs.load_state_dict(DF.to_diffusers(ours), strict=True)
+    theirs.save_pretrained(tmp_path / "uncond")
+    monkeypatch.chdir(tiny_model_dir)
+    assert cli("import", str(tmp_path / "uncond"), "--format", "diffusers", "--out", str(tmp_path / "model"),
+               "--data", "data").exit_code == 0
+    assert cli("export", "--format", "diffusers", "--model", str(tmp_path / "model"),
+               "--out", str(tmp_path / "out")).exit_code == 0
+    pipe = diffusers.DDPMPipeline.from_pretrained(tmp_path / "out")
+    images = pipe(batch_size=2, num_inference_steps=3, output_type="np",
+                  generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (2, 8, 8, 1) and ((images >= 0) & (images <= 1)).all()
+
+
+@pytest.mark.parametrize("case", ["truncated", "other-class", "block-type", "missing", "no-config"])
+def test_a_bad_diffusers_folder_stops_with_one_line_and_writes_nothing(tiny_model_dir, case, tmp_path, monkeypatch):
+    import shutil
+
+    src = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir / "src", src)
+    weights, config_path = src / "diffusion_pytorch_model.safetensors", src / "config.json"
+    config = json.loads(config_path.read_text())
+    if case == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+        expected = [str(weights), "truncated"]
+    elif case == "other-class":
+        config["_class_name"] = "UNet2DConditionModel"
+        expected = ["UNet2DConditionModel", "not a UNet2DModel"]
+    elif case == "block-type":
+        config["down_block_types"][0] = "SkipDownBlock2D"
+        expected = ["SkipDownBlock2D", "not supported"]
+    elif case == "missing":
+        from safetensors.torch import load_file, save_file
+        state = load_file(weights)
+        del state["mid_block.attentions.0.to_k.weight"]
+        save_file(state, weights)
+        expected = ["mid_block.attentions.0.to_k.weight", "missing"]
+    else:
+        config_path.unlink()
+        expected = ["no config.json"]
+    if config_path.exists():
+        config_path.write_text(json.dumps(config))
+    monkeypatch.chdir(tiny_model_dir)
+    (tiny_model_dir / "models").mkdir(exist_ok=True)
+    before = _snapshot(tiny_model_dir)
+    one_line_error(cli("import", str(src), "--format", "diffusers", "--out", "models/bad", "--data", "data"), *expected)
+    assert _snapshot(tiny_model_dir) == before
+
+
+def test_both_timestep_embeddings_equal_the_peers_own_functions():
+    from diffusers.models.embeddings import get_timestep_embedding
+    from improved_diffusion_for_SMLM.improved_diffusion.nn import timestep_embedding as theirs
+
+    from ddpmrepro.model.unet import timestep_embedding
+
+    t = torch.tensor([0.0, 1.0, 3.0, 250.0, 999.0, 917.25])
+    assert torch.allclose(timestep_embedding(t, 128), theirs(t, 128), rtol=0, atol=1e-6)
+    # DDPM's TF release = diffusers' Timesteps(flip_sin_to_cos=False, freq_shift=1) (google/ddpm-cifar10-32)
+    ddpm = get_timestep_embedding(t, 128, flip_sin_to_cos=False, downscale_freq_shift=1)
+    assert torch.allclose(timestep_embedding(t, 128, kind="ddpm"), ddpm, rtol=0, atol=1e-6)
+    assert not torch.allclose(timestep_embedding(t, 128), ddpm, atol=1e-2)
+
+
+@pytest.mark.parametrize("keys", [
+    dict(num_res_blocks=1, attention_resolutions=[4], scale_shift_norm=True),
+    dict(num_res_blocks=2, attention_resolutions=[8, 2], scale_shift_norm=False),
+])
+def test_resblock_updown_equals_diffusers_resnet_resampling_blocks(keys, one_thread):
+    """ADM's residual-block resampling (guided-diffusion's `resblock_updown`) against diffusers'
+    ResnetDownsampleBlock2D / ResnetUpsampleBlock2D and `downsample_type="resnet"`, both directions."""
+    ours = randomise(build_unet(P.ModelParams(channels=32, channel_mult=[1, 2, 2], num_head_channels=32,
+                                              resblock_updown=True, **keys),
+                                image_size=8, in_channels=3, num_classes=10, learn_sigma=True), 4)
+    cfg = DF.unet2d_config(ours, 8)
+    assert cfg["downsample_type"] == cfg["upsample_type"] == "resnet"
+    theirs = diffusers.UNet2DModel(**{k: v for k, v in cfg.items() if not k.startswith("_")}).eval()
+    theirs.load_state_dict(DF.to_diffusers(ours), strict=True)
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([1, 10])
+    with torch.no_grad():
+        assert rel(ours(x, T_PROBE, y), theirs(x, T_PROBE, class_labels=y).sample) <= 1e-5
+    assert DF.model_keys(cfg, source="config.json")["resblock_updown"] is True
+    back = DF.from_diffusers(theirs.state_dict(), ours, source="mem")
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+
+def test_a_class_conditional_improved_diffusion_import_refuses_guidance(small_id, tmp_path, monkeypatch):
+    """Its null-label row is zero and was never trained: sampling with guidance is refused (exit 2)."""
+    root, _, _ = small_id
+    theirs = randomise(improved.UNetModel(1, 32, 2, 1, (2,), channel_mult=(1, 2), num_heads=2, num_classes=10,
+                                          use_scale_shift_norm=True), seed=6)
+    torch.save(theirs.state_dict(), tmp_path / "cond.pt")
+    raw = {**SMALL_ID, "model": {**SMALL_ID["model"], "class_cond": True}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({**raw, "sample": {**raw["sample"], "guidance": 0.5}}))
+    monkeypatch.chdir(tmp_path)
+    assert cli("import", "cond.pt", "--format", "improved-diffusion", "--out", "model",
+               "--data", str(root / "data")).exit_code == 0
+    result = cli("sample", "--model", "model", "--out", "samples")
+    assert result.exit_code == 2 and "sample.guidance" in result.stderr and not (tmp_path / "samples").exists()
