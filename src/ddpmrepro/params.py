@@ -69,10 +69,17 @@ class ModelParams:
     dropout: float | None = _f(None, min=0.0, max=1.0, doc="Dropout in the residual blocks.")
     scale_shift_norm: bool | None = _f(None, doc="true: IDDPM's AdaGN (timestep scales and shifts the norm); "
                                                  "false: DDPM's additive embedding.")
+    grad_checkpoint: bool = _f(False, doc="Recompute each residual and attention block's activations in backward "
+                                          "instead of keeping them: less memory for about one more forward pass "
+                                          "per step, bitwise the same gradients (docs/BENCHMARKS.md, Gradient "
+                                          "checkpointing). Operational: not part of the run hash.")
+
+    # Keys that are not the network's shape (the presets give every other key).
+    NOT_ARCHITECTURE = ("preset", "grad_checkpoint")
 
     def overrides(self) -> dict:
         """The architecture keys set explicitly in params.yaml."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "preset" and v is not None}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_ARCHITECTURE and v is not None}
 
 
 @dataclass(frozen=True)

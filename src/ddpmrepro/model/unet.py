@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 # Architecture kwargs per preset, keyed as in `ModelParams` (params.yaml `model:` section).
 PRESETS: dict[str, dict] = {
@@ -172,11 +173,26 @@ class Upsample(nn.Module):
 
 
 class EmbedSequential(nn.Sequential):
-    """A Sequential whose layers take the embedding too (plain layers ignore it)."""
+    """A Sequential whose layers take the embedding too (plain layers ignore it).
+
+    With `grad_checkpoint` (set by the UNet), each residual and attention block keeps only its
+    inputs for backward and recomputes its activations there (`torch.utils.checkpoint`,
+    non-reentrant). Non-reentrant because it restores the RNG state for the recompute, so dropout
+    draws the same mask and the gradients are bitwise those without checkpointing, and because
+    backward still runs through the forward pass's own graph: a tensor hook registered in the
+    forward fires once, whatever the recompute does (improved-diffusion's helper does neither).
+    """
+
+    grad_checkpoint = False
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         for layer in self:
-            x = layer(x, emb) if isinstance(layer, (ResBlock, AttentionBlock, Downsample, Upsample)) else layer(x)
+            if self.grad_checkpoint and torch.is_grad_enabled() and isinstance(layer, (ResBlock, AttentionBlock)):
+                x = checkpoint(layer, x, emb, use_reentrant=False)
+            elif isinstance(layer, (ResBlock, AttentionBlock, Downsample, Upsample)):
+                x = layer(x, emb)
+            else:
+                x = layer(x)
         return x
 
 
@@ -189,7 +205,8 @@ class UNet(nn.Module):
 
     def __init__(self, image_size: int, in_channels: int, model_channels: int, out_channels: int,
                  num_res_blocks: int, attention_resolutions, dropout: float, channel_mult,
-                 num_classes: int | None, num_head_channels: int, scale_shift_norm: bool):
+                 num_classes: int | None, num_head_channels: int, scale_shift_norm: bool,
+                 grad_checkpoint: bool = False):
         """
         :param image_size: side of the (square) input in pixels; 2**(len(channel_mult)-1) must divide it.
         :param in_channels: image channels (1 or 3).
@@ -203,6 +220,8 @@ class UNet(nn.Module):
         :param num_classes: number of classes, or None for an unconditional model (y must be None).
         :param num_head_channels: channels per attention head.
         :param scale_shift_norm: IDDPM AdaGN conditioning if True, DDPM additive otherwise.
+        :param grad_checkpoint: recompute each residual/attention block's activations in backward
+            instead of keeping them (less memory, about one more forward per step, same numbers).
         """
         super().__init__()
         factor = 2 ** (len(channel_mult) - 1)
@@ -259,6 +278,9 @@ class UNet(nn.Module):
         self.out = nn.Sequential(
             group_norm(ch), nn.SiLU(), zero_module(nn.Conv2d(ch, out_channels, 3, padding=1))
         )
+        for m in self.modules():
+            if isinstance(m, EmbedSequential):
+                m.grad_checkpoint = grad_checkpoint
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         """
@@ -306,6 +328,7 @@ def build_unet(model_params, *, image_size: int, in_channels: int, num_classes: 
         num_res_blocks=cfg["num_res_blocks"], attention_resolutions=cfg["attention_resolutions"],
         dropout=cfg["dropout"], channel_mult=cfg["channel_mult"], num_classes=num_classes,
         num_head_channels=cfg["num_head_channels"], scale_shift_norm=cfg["scale_shift_norm"],
+        grad_checkpoint=model_params.grad_checkpoint,
     )
 
 

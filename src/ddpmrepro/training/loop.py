@@ -86,7 +86,9 @@ def run_hash(params: Params, data_digest: str) -> str:
 
     d = params.to_dict()
     train = {k: v for k, v in d["train"].items() if k not in OPERATIONAL_TRAIN_KEYS}
-    blob = json.dumps({"data": data_digest, "model": d["model"], "diffusion": d["diffusion"], "train": train},
+    # Checkpointing changes memory, not one bit of the updates: a run may resume with it switched.
+    model = {k: v for k, v in d["model"].items() if k != "grad_checkpoint"}
+    blob = json.dumps({"data": data_digest, "model": model, "diffusion": d["diffusion"], "train": train},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
