@@ -83,6 +83,28 @@ class ModelParams:
 
 
 @dataclass(frozen=True)
+class SuperresParams:
+    """Read by `train`, `sample` and `evaluate-superres`: with `low_res` > 0 the model is IDDPM's
+    super-resolution UNet, trained to make data.image_size images from low_res ones and sampled
+    from low-res inputs (docs/SUPERRES.md). 0: the base model, as without this section."""
+
+    low_res: int = _f(0, min=0, doc="Side of the low-resolution input (area-downsampled from the prepared "
+                                    "images); 0: no super-resolution. Must be smaller than data.image_size.")
+    quantise: bool = _f(True, doc="Round the training low-res input to 8 bits, as sampling sees it (a base "
+                                  "run's uint8 samples, or uint8 test images downsampled and rounded); "
+                                  "false: IDDPM's float input.")
+    noise_aug: float = _f(0.2, min=0.0, max=1.0, doc="Training: Gaussian noise of std drawn uniformly in "
+                                                     "[0, noise_aug] (image range [-1, 1]) is added to the low-res "
+                                                     "input and the std given to the network (Cascaded Diffusion "
+                                                     "Models); 0: none, IDDPM's model exactly.")
+    sample_noise_aug: float = _f(0.1, min=0.0, max=1.0, doc="Sampling: the noise std added to every low-res "
+                                                            "input (and told to the network); at most noise_aug.")
+    low_res_from: str = _f("test", doc="Sampling input: `test` (the test split, downsampled, so that PSNR/SSIM "
+                                       "against the truth exist) or the path of a base run's samples.npz (the "
+                                       "cascade).")
+
+
+@dataclass(frozen=True)
 class DiffusionParams:
     """Read by `train` (and by `sample`/`evaluate` through the trained model's config.json)."""
 
@@ -223,6 +245,7 @@ class Params:
     evaluator: EvaluatorParams = field(default_factory=EvaluatorParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
     report: ReportParams = field(default_factory=ReportParams)
+    superres: SuperresParams = field(default_factory=SuperresParams)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -343,6 +366,9 @@ def _check_cross_field(obj, path: str) -> None:
     if isinstance(obj, ModelParams):
         if obj.channel_mult is not None and not obj.channel_mult:
             raise ParamsError(f"{path}.channel_mult: give positive integers, e.g. [1, 2, 2, 2]")
+    if isinstance(obj, SuperresParams) and obj.sample_noise_aug > obj.noise_aug:
+        raise ParamsError(f"{path}.sample_noise_aug: {obj.sample_noise_aug} is above {path}.noise_aug "
+                          f"({obj.noise_aug}), a level the network never saw in training; lower it")
     if isinstance(obj, IntrospectParams) and obj.dump_steps and not obj.dump_modules:
         raise ParamsError(f"{path}.dump_steps: nothing is dumped without {path}.dump_modules; name the modules "
                           "to dump, e.g. [\"out\"], or set dump_steps: []")
@@ -353,6 +379,9 @@ def _check_cross_field(obj, path: str) -> None:
                 if st > obj.train.steps:
                     raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
                                       f"{obj.train.steps}); steps count completed updates, 1..train.steps")
+        if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
+            raise ParamsError(f"superres.low_res: {obj.superres.low_res} is not below data.image_size "
+                              f"({obj.data.image_size}); give the low-res side, e.g. {obj.data.image_size // 2}")
         # The respacer itself decides (one rule, not a copy): any string it cannot apply to T steps.
         try:
             space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)
@@ -451,7 +480,7 @@ def markdown() -> str:
 
 __all__ = [
     "Params", "ParamsError", "DataParams", "ModelParams", "DiffusionParams", "TrainParams",
-    "IntrospectParams", "SampleParams", "EvaluatorParams", "EvaluateParams", "ReportParams",
+    "IntrospectParams", "SampleParams", "SuperresParams", "EvaluatorParams", "EvaluateParams", "ReportParams",
     "load", "from_dict", "save_resolved", "markdown",
 ]
 

@@ -282,13 +282,16 @@ class UNet(nn.Module):
             if isinstance(m, EmbedSequential):
                 m.grad_checkpoint = grad_checkpoint
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None,
+                emb_extra: torch.Tensor | None = None) -> torch.Tensor:
         """
         :param x: (B, C, H, W) noisy images.
         :param t: (B,) int64 timestep indices (embedded as given: respaced samplers pass the
             original indices).
         :param y: (B,) int64 labels in [0, num_classes] (num_classes = null label), or None for an
             unconditional model.
+        :param emb_extra: (B, 4 * model_channels) added to the conditioning embedding (the
+            super-resolution model's noise-augmentation level), or None.
         :return: (B, out_channels, H, W).
         """
         if (y is None) != (self.label_embed is None):
@@ -299,6 +302,8 @@ class UNet(nn.Module):
         emb = self.time_embed(timestep_embedding(t, self.model_channels))  # (B, 4ch)
         if y is not None:
             emb = emb + self.label_embed(y)
+        if emb_extra is not None:
+            emb = emb + emb_extra
         h, skips = x, []
         for block in self.input_blocks:
             h = block(h, emb)
