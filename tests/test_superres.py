@@ -171,6 +171,12 @@ def test_the_cascade_pipeline_names_real_commands_options_and_params():
     assert up.superres.low_res == base.data.image_size and up.data.image_size == 2 * base.data.image_size
     stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
     for name, stage in stages.items():
+        for entry in stage.get("params", []):  # DVC refuses a stage whose params key is not in the file
+            for file, keys in entry.items():
+                raw = yaml.safe_load((root / file).read_text())
+                for key in keys:
+                    section, _, sub = key.partition(".")
+                    assert section in raw and (not sub or sub in raw[section]), (name, file, key)
         args = stage["cmd"].split()
         args = args[args.index("ddpmrepro.cli") + 1:]
         result = CliRunner().invoke(main, [*args, "--help"])
