@@ -60,6 +60,7 @@ def write_params(path: Path, **superres) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_an_upsampler_samples_the_test_split_reproducibly_and_is_scored_beside_bicubic(trained, tmp_path):
     config = json.loads((trained / "model" / "config.json").read_text())
     assert config["params"]["superres"]["low_res"] == 4
@@ -99,6 +100,7 @@ def test_an_upsampler_samples_the_test_split_reproducibly_and_is_scored_beside_b
     assert head["sr_psnr"] == pytest.approx(psnr(s["images"], truth))
 
 
+@pytest.mark.slow
 def test_the_cascade_upsamples_a_base_runs_samples(trained, tmp_path):
     g = np.random.default_rng(0)
     base = {"images": g.integers(0, 256, (5, 1, 4, 4), dtype=np.uint8), "labels": np.array([0, 3, 3, 9, 1]),
