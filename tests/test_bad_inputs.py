@@ -45,7 +45,7 @@ STAGE_ARGS = {
     "report": ["--introspect", "introspect", "--live", "live", "--out", "figures"],
 }
 # The stage that reads each params section (dvc.yaml lists the same).
-SECTION_STAGE = {"data": "prepare", "evaluator": "fit-evaluator", "model": "train", "diffusion": "train",
+SECTION_STAGE = {"data": "prepare", "evaluator": "fit-evaluator", "model": "train", "superres": "train", "diffusion": "train",
                  "train": "train", "introspect": "train", "sample": "sample", "evaluate": "evaluate",
                  "report": "report"}
 

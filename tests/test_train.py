@@ -188,6 +188,30 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path, prepared, straight_runs,
     assert loss["step"].tolist() == [2, 4, 6, 8]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_grad_checkpointing_on_a_killed_and_resumed_run_gives_the_plain_runs_bits(tmp_path, prepared, nproc):
+    # Dropout on, so the recompute must draw the masks the forward drew. The plain run never stops;
+    # the checkpointed one is SIGKILLed after step 4 and resumed: the same weights, EMAs, sampler
+    # history and gradient tables, bit for bit (with 2 processes too: DDP's all-reduce sees the same
+    # gradients, so "2 x B = 1 x 2B" holds with checkpointing as it does without).
+    train = {"nproc": nproc, "batch_per_proc": 16 // nproc}
+    plain = write_params(tmp_path / "plain.yaml", model={"dropout": 0.2}, train=train)
+    ckpt = write_params(tmp_path / "ckpt.yaml", model={"dropout": 0.2, "grad_checkpoint": True}, train=train)
+    run_train(tmp_path / "plain", prepared, plain, nproc)
+    kill_after_checkpoint(tmp_path / "ckpt", prepared, ckpt, nproc, step=4)
+    run_train(tmp_path / "ckpt", prepared, ckpt, nproc)
+    assert_same(final_state(tmp_path / "plain"), final_state(tmp_path / "ckpt"), exact=True)
+    import pandas as pd
+
+    for table in ("param_grads", "act_grads", "steps"):
+        a, b = (pd.read_parquet(tmp_path / run / "introspect" / table) for run in ("plain", "ckpt"))
+        cols = list(a.columns)
+        a, b = (df.sort_values([c for c in ("step", "name", "module", "tensor") if c in cols]).reset_index(drop=True)
+                for df in (a, b))
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+
+
 def live_series(run: Path) -> dict[str, list[str]]:
     """Every dvclive TSV of a run as its lines, without the wall-clock columns: `timestamp`, and
     images_per_sec, which measures wall time and cannot equal across an interruption."""

@@ -26,3 +26,15 @@ def test_example_draws_equal_a_fresh_generator_per_example(shape):
     # An example's draws depend on its seed only, not on its neighbours in the batch.
     u1, noise1 = example_draws(seeds[5:6], torch.Size(shape))
     assert torch.equal(u1[0], u[5]) and torch.equal(noise1[0], noise[5])
+
+
+def test_an_upsamplers_augmentation_draws_come_after_and_leave_the_others_unchanged():
+    seeds = [step_seed(0, 3, i, 1) for i in range(9)]
+    u, noise = example_draws(seeds, (1, 8, 8))
+    u2, noise2, u_aug, noise_aug = example_draws(seeds, (1, 8, 8), (1, 4, 4))
+    assert torch.equal(u, u2) and torch.equal(noise, noise2)  # a base model's numbers, whatever the model
+    for i, s in enumerate(seeds):  # the definition: the same generator goes on with one uniform, then the noise
+        g = torch.Generator().manual_seed(s)
+        torch.rand(3, generator=g, dtype=torch.float64), torch.randn((1, 8, 8), generator=g)
+        assert torch.equal(u_aug[i:i + 1], torch.rand(1, generator=g, dtype=torch.float64))
+        assert torch.equal(noise_aug[i], torch.randn((1, 4, 4), generator=g))

@@ -25,7 +25,7 @@ def small_unet(**kw) -> UNet:
 
 
 def test_presets_have_the_keys_of_model_params():
-    keys = set(ModelParams().__dataclass_fields__) - {"preset", "class_cond"}
+    keys = set(ModelParams().__dataclass_fields__) - set(ModelParams.NOT_ARCHITECTURE)
     for name, cfg in PRESETS.items():
         assert set(cfg) | set(SHARED_DEFAULTS) == keys, name
     assert set(PRESETS) == set(ModelParams.__dataclass_fields__["preset"].metadata["choices"])

@@ -379,6 +379,66 @@ def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir
                + f" -> {out}, {detail_out}")
 
 
+@main.command("sample-superres")
+@PARAMS_OPTION
+@click.option("--model", "model_dir", default="models/superres", show_default=True, type=click.Path(path_type=Path),
+              help="A trained upsampler (superres.low_res > 0 when it was trained).")
+@click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
+              help="The prepared high-res data, for superres.low_res_from: test.")
+@click.option("--low-res-from", default=None, help="Overrides superres.low_res_from: 'test' or a base run's samples.npz.")
+@click.option("--out", default="samples_superres", show_default=True, type=click.Path(path_type=Path))
+@user_errors
+@writes(out="dir")
+def sample_superres(params_path: Path, model_dir: Path, data_dir: Path | None, low_res_from: str | None,
+                    out: Path) -> None:
+    """Upsample low-res images with a trained super-resolution model (one process).
+
+    \b
+    Reads:  params `sample.*`, `superres.sample_noise_aug`, `superres.low_res_from` (test split or a
+            base run's samples.npz: the cascade); MODEL; DATA (for `test`).
+    Writes: OUT/samples.npz (images, labels, seeds, low_res, source_index, from_test), OUT/grid.png.
+    """
+    import dataclasses
+
+    from .evaluation.superres import sample_superres as run
+
+    params = _load_params(params_path)
+    if low_res_from is not None:  # one params file serves the test-split and the cascade stages
+        params = dataclasses.replace(params, superres=dataclasses.replace(params.superres, low_res_from=low_res_from))
+    path = run(params, model_dir, out, data_dir)
+    click.echo(f"wrote {path}")
+
+
+@main.command("evaluate-superres")
+@PARAMS_OPTION
+@click.option("--samples", "samples_dir", default="samples_superres", show_default=True,
+              type=click.Path(path_type=Path))
+@click.option("--data", "data_dir", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
+@click.option("--evaluator", "evaluator_dir", default="models/evaluator", show_default=True,
+              type=click.Path(path_type=Path))
+@click.option("--out", default="metrics_superres.json", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="Headline: model and bicubic side by side.")
+@click.option("--detail", "detail_out", default="reports/metrics_superres_detail.json", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path))
+@user_errors
+@writes(out="file")
+def evaluate_superres(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir: Path, out: Path,
+                      detail_out: Path) -> None:
+    """Score upsampled images beside bicubic upsampling of the same inputs.
+
+    \b
+    Reads:  params `evaluate.pr_neighbourhood`; SAMPLES (from sample-superres), DATA (high-res), EVALUATOR.
+    Writes: OUT (sr_* and bicubic_*: PSNR, SSIM for test inputs, FID, precision, recall, consistency),
+            DETAIL (every value of both); see docs/SUPERRES.md.
+    """
+    from .evaluation.superres import evaluate_superres as run
+
+    params = _load_params(params_path)
+    _claim_cpus()
+    metrics = run(params, samples_dir, data_dir, evaluator_dir, out, detail_out)
+    click.echo(" ".join(f"{k}={v:.4g}" for k, v in metrics.items() if v is not None) + f" -> {out}, {detail_out}")
+
+
 @main.command()
 @PARAMS_OPTION
 @click.option("--introspect", "introspect_dir", default="reports/introspect", show_default=True,

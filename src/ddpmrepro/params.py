@@ -88,9 +88,39 @@ class ModelParams:
     class_cond: bool = _f(True, doc="false: an unconditional model (no label table; sample.guidance is not used "
                                     "and evaluate reports class_acc as null).")
 
+    grad_checkpoint: bool = _f(False, doc="Recompute each residual and attention block's activations in backward "
+                                          "instead of keeping them: less memory for about one more forward pass "
+                                          "per step, bitwise the same gradients (docs/BENCHMARKS.md, Gradient "
+                                          "checkpointing). Operational: not part of the run hash.")
+
+    # Keys that are not a preset's (the presets give every other key).
+    NOT_ARCHITECTURE = ("preset", "class_cond", "grad_checkpoint")
+
     def overrides(self) -> dict:
-        """The architecture keys set explicitly in params.yaml (class_cond is not a preset's key)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("preset", "class_cond") and v is not None}
+        """The architecture keys set explicitly in params.yaml."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_ARCHITECTURE and v is not None}
+
+
+@dataclass(frozen=True)
+class SuperresParams:
+    """Read by `train`, `sample` and `evaluate-superres`: with `low_res` > 0 the model is IDDPM's
+    super-resolution UNet, trained to make data.image_size images from low_res ones and sampled
+    from low-res inputs (docs/SUPERRES.md). 0: the base model, as without this section."""
+
+    low_res: int = _f(0, min=0, doc="Side of the low-resolution input (area-downsampled from the prepared "
+                                    "images); 0: no super-resolution. Must be smaller than data.image_size.")
+    quantise: bool = _f(True, doc="Round the training low-res input to 8 bits, as sampling sees it (a base "
+                                  "run's uint8 samples, or uint8 test images downsampled and rounded); "
+                                  "false: IDDPM's float input.")
+    noise_aug: float = _f(0.2, min=0.0, max=1.0, doc="Training: Gaussian noise of std drawn uniformly in "
+                                                     "[0, noise_aug] (image range [-1, 1]) is added to the low-res "
+                                                     "input and the std given to the network (Cascaded Diffusion "
+                                                     "Models); 0: none, IDDPM's model exactly.")
+    sample_noise_aug: float = _f(0.1, min=0.0, max=1.0, doc="Sampling: the noise std added to every low-res "
+                                                            "input (and told to the network); at most noise_aug.")
+    low_res_from: str = _f("test", doc="Sampling input: `test` (the test split, downsampled, so that PSNR/SSIM "
+                                       "against the truth exist) or the path of a base run's samples.npz (the "
+                                       "cascade).")
 
 
 @dataclass(frozen=True)
@@ -242,6 +272,7 @@ class Params:
     evaluator: EvaluatorParams = field(default_factory=EvaluatorParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
     report: ReportParams = field(default_factory=ReportParams)
+    superres: SuperresParams = field(default_factory=SuperresParams)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -362,6 +393,9 @@ def _check_cross_field(obj, path: str) -> None:
     if isinstance(obj, ModelParams):
         if obj.channel_mult is not None and not obj.channel_mult:
             raise ParamsError(f"{path}.channel_mult: give positive integers, e.g. [1, 2, 2, 2]")
+    if isinstance(obj, SuperresParams) and obj.sample_noise_aug > obj.noise_aug:
+        raise ParamsError(f"{path}.sample_noise_aug: {obj.sample_noise_aug} is above {path}.noise_aug "
+                          f"({obj.noise_aug}), a level the network never saw in training; lower it")
     if isinstance(obj, IntrospectParams) and obj.dump_steps and not obj.dump_modules:
         raise ParamsError(f"{path}.dump_steps: nothing is dumped without {path}.dump_modules; name the modules "
                           "to dump, e.g. [\"out\"], or set dump_steps: []")
@@ -372,6 +406,9 @@ def _check_cross_field(obj, path: str) -> None:
                 if st > obj.train.steps:
                     raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
                                       f"{obj.train.steps}); steps count completed updates, 1..train.steps")
+        if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
+            raise ParamsError(f"superres.low_res: {obj.superres.low_res} is not below data.image_size "
+                              f"({obj.data.image_size}); give the low-res side, e.g. {obj.data.image_size // 2}")
         # The respacer itself decides (one rule, not a copy): any string it cannot apply to T steps.
         try:
             space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)
@@ -470,7 +507,7 @@ def markdown() -> str:
 
 __all__ = [
     "Params", "ParamsError", "DataParams", "ModelParams", "DiffusionParams", "TrainParams",
-    "IntrospectParams", "SampleParams", "EvaluatorParams", "EvaluateParams", "ReportParams",
+    "IntrospectParams", "SampleParams", "SuperresParams", "EvaluatorParams", "EvaluateParams", "ReportParams",
     "load", "from_dict", "save_resolved", "markdown",
 ]
 

@@ -19,6 +19,7 @@ from .. import files
 from ..data import to_uint8
 from ..model.diffusion import from_params as diffusion_from_params
 from ..model.diffusion import guided_model_fn
+from ..model.superres import build_superres
 from ..model.unet import build_unet
 from ..params import Params, ParamsError, SampleParams, from_dict
 from ..runtime import distributed as D
@@ -36,8 +37,11 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu"):
                           f"{', '.join(f'{float(r):g}' for r in config['ema_rates'])} (or 0 for raw weights)")
     name = files.ema_filename(ema_rate) if ema_rate else "model.safetensors"
     data = config["data"]
-    model = build_unet(trained.model, image_size=data["image_size"], in_channels=data["channels"],
-                       num_classes=data["num_classes"], learn_sigma=trained.diffusion.variance == "learned_range")
+    shape = dict(image_size=data["image_size"], in_channels=data["channels"], num_classes=data["num_classes"],
+                 learn_sigma=trained.diffusion.variance == "learned_range")
+    # An upsampler (superres.low_res > 0 in its params) is IDDPM's super-resolution UNet.
+    model = (build_superres(trained.model, trained.superres, **shape) if trained.superres.low_res
+             else build_unet(trained.model, **shape))
     state = files.load_weights(Path(model_dir) / name)
     missing = set(model.state_dict()) ^ set(state)
     if missing:
@@ -74,6 +78,9 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     D.init(device.type)
     rank, world = D.rank(), D.world_size()
     model, trained, config = load_model(model_dir, p.ema_rate, device)
+    if trained.superres.low_res:
+        raise ParamsError(f"{model_dir} is an upsampler (superres.low_res: {trained.superres.low_res}); sample it "
+                          "with `ddpmrepro sample-superres` (docs/SUPERRES.md)")
     if p.guidance and config.get("source", {}).get("untrained_null_label"):
         raise ParamsError(f"sample.guidance={p.guidance:g}: {model_dir} was imported from a model without a null "
                           "label (docs/MODELS.md), so guidance means nothing; set sample.guidance: 0")

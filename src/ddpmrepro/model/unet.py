@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 # Architecture kwargs per preset, keyed as in `ModelParams` (params.yaml `model:` section).
 PRESETS: dict[str, dict] = {
@@ -210,11 +211,26 @@ class Upsample(nn.Module):
 
 
 class EmbedSequential(nn.Sequential):
-    """A Sequential whose layers take the embedding too (plain layers ignore it)."""
+    """A Sequential whose layers take the embedding too (plain layers ignore it).
+
+    With `grad_checkpoint` (set by the UNet), each residual and attention block keeps only its
+    inputs for backward and recomputes its activations there (`torch.utils.checkpoint`,
+    non-reentrant). Non-reentrant because it restores the RNG state for the recompute, so dropout
+    draws the same mask and the gradients are bitwise those without checkpointing, and because
+    backward still runs through the forward pass's own graph: a tensor hook registered in the
+    forward fires once, whatever the recompute does (improved-diffusion's helper does neither).
+    """
+
+    grad_checkpoint = False
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         for layer in self:
-            x = layer(x, emb) if isinstance(layer, (ResBlock, AttentionBlock, Downsample, Upsample)) else layer(x)
+            if self.grad_checkpoint and torch.is_grad_enabled() and isinstance(layer, (ResBlock, AttentionBlock)):
+                x = checkpoint(layer, x, emb, use_reentrant=False)
+            elif isinstance(layer, (ResBlock, AttentionBlock, Downsample, Upsample)):
+                x = layer(x, emb)
+            else:
+                x = layer(x)
         return x
 
 
@@ -229,7 +245,7 @@ class UNet(nn.Module):
                  num_res_blocks: int, attention_resolutions, dropout: float, channel_mult,
                  num_classes: int | None, num_head_channels: int, scale_shift_norm: bool, *,
                  time_embedding: str = "iddpm", downsample_padding: str = "symmetric", norm_eps: float = 1e-5,
-                 num_heads: int | None = None, resblock_updown: bool = False):
+                 num_heads: int | None = None, resblock_updown: bool = False, grad_checkpoint: bool = False):
         """
         :param image_size: side of the (square) input in pixels; 2**(len(channel_mult)-1) must divide it.
         :param in_channels: image channels (1 or 3).
@@ -249,6 +265,8 @@ class UNet(nn.Module):
         :param num_heads: a fixed number of heads per attention layer (replaces num_head_channels).
         :param resblock_updown: resample with residual blocks (ADM) instead of strided/upsampling convs.
         The last five default to this UNet's own choices; the others reproduce published models.
+        :param grad_checkpoint: recompute each residual/attention block's activations in backward
+            instead of keeping them (less memory, about one more forward per step, same numbers).
         """
         super().__init__()
         if time_embedding not in ("iddpm", "ddpm") or downsample_padding not in ("symmetric", "asymmetric"):
@@ -314,14 +332,20 @@ class UNet(nn.Module):
         self.out = nn.Sequential(
             group_norm(ch, norm_eps), nn.SiLU(), zero_module(nn.Conv2d(ch, out_channels, 3, padding=1))
         )
+        for m in self.modules():
+            if isinstance(m, EmbedSequential):
+                m.grad_checkpoint = grad_checkpoint
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None,
+                emb_extra: torch.Tensor | None = None) -> torch.Tensor:
         """
         :param x: (B, C, H, W) noisy images.
         :param t: (B,) timesteps, embedded as given: respaced samplers pass the original indices
             (int64), or t * 1000 / T (float) under `diffusion.rescale_timesteps`.
         :param y: (B,) int64 labels in [0, num_classes] (num_classes = null label), or None for an
             unconditional model.
+        :param emb_extra: (B, 4 * model_channels) added to the conditioning embedding (the
+            super-resolution model's noise-augmentation level), or None.
         :return: (B, out_channels, H, W).
         """
         if (y is None) != (self.label_embed is None):
@@ -332,6 +356,8 @@ class UNet(nn.Module):
         emb = self.time_embed(timestep_embedding(t, self.model_channels, kind=self.time_embedding_kind))  # (B, 4ch)
         if y is not None:
             emb = emb + self.label_embed(y)
+        if emb_extra is not None:
+            emb = emb + emb_extra
         h, skips = x, []
         for block in self.input_blocks:
             h = block(h, emb)
@@ -365,6 +391,7 @@ def build_unet(model_params, *, image_size: int, in_channels: int, num_classes: 
         num_head_channels=cfg["num_head_channels"], scale_shift_norm=cfg["scale_shift_norm"],
         # Options that reproduce published models (docs/MODELS.md); unset: this UNet's defaults.
         **{k: cfg[k] for k in SHARED_DEFAULTS},
+        grad_checkpoint=model_params.grad_checkpoint,
     )
 
 

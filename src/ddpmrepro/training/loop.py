@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import files
 from ..data import load_prepared, to_model_range
 from ..model.diffusion import from_params as diffusion_from_params
+from ..model.superres import augment, build_superres, low_res_input
 from ..model.unet import build_unet
 from ..params import Params, ParamsError
 from ..runtime import distributed as D
@@ -45,6 +46,10 @@ log = logging.getLogger("ddpmrepro.training.loop")
 # they must not invalidate a checkpoint or the run hash. (`on_nonfinite: error` saves nothing
 # after a non-finite step, so a run stopped by it resumes under `skip` exactly as a `skip` run.)
 OPERATIONAL_TRAIN_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every", "on_nonfinite", "max_restarts")
+
+
+# The superres keys that change what an upsampler learns (the others are read by sampling only).
+SUPERRES_TRAIN_KEYS = ("low_res", "quantise", "noise_aug")
 
 
 # What a checkpoint must hold to be resumed (a file with a valid sidecar can still be something else).
@@ -86,8 +91,12 @@ def run_hash(params: Params, data_digest: str) -> str:
 
     d = params.to_dict()
     train = {k: v for k, v in d["train"].items() if k not in OPERATIONAL_TRAIN_KEYS}
-    blob = json.dumps({"data": data_digest, "model": d["model"], "diffusion": d["diffusion"], "train": train},
-                      sort_keys=True)
+    # Checkpointing changes memory, not one bit of the updates: a run may resume with it switched.
+    model = {k: v for k, v in d["model"].items() if k != "grad_checkpoint"}
+    what = {"data": data_digest, "model": model, "diffusion": d["diffusion"], "train": train}
+    if params.superres.low_res:  # an upsampler: what it is trained on (a base run's hash is as before)
+        what["superres"] = {k: d["superres"][k] for k in SUPERRES_TRAIN_KEYS}
+    blob = json.dumps(what, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -97,7 +106,7 @@ def step_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
     return (x * 0x9E3779B97F4A7C15) % (2**63 - 1)
 
 
-def example_draws(seeds: list[int], shape) -> tuple[torch.Tensor, torch.Tensor]:
+def example_draws(seeds: list[int], shape, low_res_shape=None) -> tuple[torch.Tensor, ...]:
     """Each example's own draws from a generator seeded by its seed: u (B, 3) float64 uniforms
     (label drop, flip, timestep), then noise (B, *shape) float32 standard normals.
 
@@ -106,15 +115,24 @@ def example_draws(seeds: list[int], shape) -> tuple[torch.Tensor, torch.Tensor]:
     fill the rows of the batch tensors in place (`torch.rand`/`randn` are `uniform_`/`normal_` on
     a new tensor): 128 fresh generators and row copies took ~3 ms of Python and dispatch per step,
     this ~1.2 ms; serial work, which more threads do not shorten.
+
+    With `low_res_shape` (a super-resolution model) each example then draws one more uniform (its
+    augmentation level) and that noise image, after the others: a base model's draws are unchanged.
     """
     u = torch.empty(len(seeds), 3, dtype=torch.float64)
     noise = torch.empty(len(seeds), *shape)
+    if low_res_shape is not None:
+        u_aug = torch.empty(len(seeds), dtype=torch.float64)
+        noise_aug = torch.empty(len(seeds), *low_res_shape)
     g = torch.Generator()
-    for seed, u_i, noise_i in zip(seeds, u, noise):
+    for i, (seed, u_i, noise_i) in enumerate(zip(seeds, u, noise)):
         g.manual_seed(seed)
         u_i.uniform_(generator=g)
         noise_i.normal_(generator=g)
-    return u, noise
+        if low_res_shape is not None:
+            u_aug[i:i + 1].uniform_(generator=g)
+            noise_aug[i].normal_(generator=g)
+    return (u, noise) if low_res_shape is None else (u, noise, u_aug, noise_aug)
 
 
 def lr_at(step: int, p) -> float:
@@ -197,8 +215,10 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     # Model, diffusion, optimizer, EMA, timestep sampler.
     torch.manual_seed(p.seed)  # identical initial weights on every rank
     diffusion = diffusion_from_params(params.diffusion)
-    raw_model = build_unet(params.model, image_size=manifest["image_size"], in_channels=manifest["channels"],
-                           num_classes=num_classes, learn_sigma=params.diffusion.variance == "learned_range").to(device)
+    sr = params.superres
+    shape = dict(image_size=manifest["image_size"], in_channels=manifest["channels"], num_classes=num_classes,
+                 learn_sigma=params.diffusion.variance == "learned_range")
+    raw_model = (build_superres(params.model, sr, **shape) if sr.low_res else build_unet(params.model, **shape)).to(device)
     # One fused kernel per step on GPUs; the multi-tensor (foreach) path elsewhere.
     opt = torch.optim.AdamW(raw_model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
                             **({"fused": True} if device.type == "cuda" else {"foreach": True}))
@@ -283,8 +303,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             idx, rows = batches.get(global_micro)
             x0 = to_model_range(rows)  # (B, C, H, W) in [-1, 1]
             # DistributedSampler gives rank r the examples r, r + W, r + 2W, ... of the global batch.
-            u, noise = example_draws([step_seed(p.seed, global_micro, rank + world * i, 1) for i in range(len(idx))],
-                                     x0.shape[1:])
+            seeds = [step_seed(p.seed, global_micro, rank + world * i, 1) for i in range(len(idx))]
+            low_shape = (x0.shape[1], sr.low_res, sr.low_res) if sr.low_res else None
+            u, noise, *aug = example_draws(seeds, x0.shape[1:], low_shape)
             if hflip:
                 x0 = torch.where((u[:, 1] < 0.5)[:, None, None, None], x0.flip(-1), x0)
             y = labels[idx]
@@ -292,7 +313,13 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             y = torch.where(u[:, 0] < p.label_dropout, torch.full_like(y, num_classes), y)
             apply_pending_updates()
             t, weights = sampler.sample_from_uniform(u[:, 2])
-            return x0, y, t, weights, noise
+            cond = {}
+            if sr.low_res:  # the upsampler's input: this image downsampled (as sampling sees it), then noised
+                cond["low_res"] = low_res_input(x0, sr.low_res, sr.quantise)
+                if sr.noise_aug:
+                    level = (aug[0] * sr.noise_aug).float()
+                    cond = {"low_res": augment(cond["low_res"], level, aug[1]), "aug_level": level}
+            return x0, y, t, weights, noise, cond
 
         # Introspection and logging live on rank 0 (activation stats are reduced over ranks).
         # Tables and curves are written into the run directory while training (DVC deletes a
@@ -336,14 +363,16 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
 
                 # Accumulate gradients over microbatches; only the last one all-reduces.
                 for micro in range(p.grad_accum):
-                    x0, y, t, weights, noise = microbatch(step * p.grad_accum + micro)
+                    x0, y, t, weights, noise, cond = microbatch(step * p.grad_accum + micro)
                     if device.type == "cuda":  # pinned host memory: the copies do not block the host
                         x0, y, t, weights, noise = (v.pin_memory() for v in (x0, y, t, weights, noise))
+                        cond = {k: v.pin_memory() for k, v in cond.items()}
                     x0, y, t, weights, noise = (v.to(device, non_blocking=True) for v in (x0, y, t, weights, noise))
+                    cond = {k: v.to(device, non_blocking=True) for k, v in cond.items()}
 
-                    def model_fn(x, tt, y=y if params.model.class_cond else None):  # None: unconditional
+                    def model_fn(x, tt, y=y if params.model.class_cond else None, cond=cond):  # None: unconditional
                         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                            out = model(x, tt, y)
+                            out = model(x, tt, y, **cond)
                         return out.float()  # diffusion math runs in fp32, outside autocast
 
                     sync = contextlib.nullcontext() if (micro == p.grad_accum - 1 or world == 1) else model.no_sync()
@@ -450,8 +479,11 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                         "run_hash": run_id, "code_version": version, "params": params.to_dict(),
                     }
                     if main:
-                        ckpt.save_checkpoint(state, ckpt_dir, done, keep=p.keep_checkpoints)
+                        # Tables first: a kill between the two then resumes from the previous
+                        # checkpoint, which drops the rows after it. (Checkpoint first, a kill
+                        # mid-flush lost the rows up to this step for good: a resume never redoes them.)
                         writer.flush()
+                        ckpt.save_checkpoint(state, ckpt_dir, done, keep=p.keep_checkpoints)
                     D.barrier()
                     saved_step = done
                 if stop_now and done < p.steps:

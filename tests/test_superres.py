@@ -1,0 +1,185 @@
+"""Super-resolution end to end through the CLI (train an upsampler, sample it from the test split
+and from a base run's samples.npz, score it beside bicubic), and its metrics against independent
+computations."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from ddpmrepro import params as P
+from ddpmrepro.cli import main
+from ddpmrepro.data import load_prepared, prepare, to_model_range, to_uint8
+from ddpmrepro.evaluation.evaluator import fit_evaluator
+from ddpmrepro.evaluation.superres import consistency, psnr, ssim
+from ddpmrepro.model.superres import downsample
+from ddpmrepro.training import loop as T
+
+RAW = {
+    "model": {"channels": 16, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_resolutions": [4],
+              "num_head_channels": 16},
+    "diffusion": {"timesteps": 10},
+    "train": {"steps": 12, "batch_per_proc": 16, "warmup_steps": 2, "checkpoint_every": 12, "log_every": 4,
+              "ema_rates": [0.9]},
+    "introspect": {"every": 0, "steps": []},
+    "sample": {"respacing": "ddim5", "per_class": 2, "ema_rate": 0.9, "guidance": 0.5},
+    "superres": {"low_res": 4, "noise_aug": 0.2, "sample_noise_aug": 0.1},
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, one_thread):
+    """Digits 8x8, an evaluator, and an upsampler 4x4 -> 8x8 trained for a few steps."""
+    root = tmp_path_factory.mktemp("sr")
+    prepare(P.DataParams(), root / "data")
+    data = load_prepared(root / "data")
+    fit_evaluator(np.asarray(data.train_images), data.train_labels, np.asarray(data.test_images), data.test_labels,
+                  P.EvaluatorParams(epochs=1), root / "evaluator", num_classes=10,
+                  class_names=data.manifest["class_names"], num_threads=1)
+    (root / "params.yaml").write_text(yaml.safe_dump(RAW))
+    params = P.load(root / "params.yaml")
+    T.train(params, T.TrainPaths(root / "data", root / "model", root / "live", root / "introspect", root / "ckpt"))
+    return root
+
+
+def cli(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def write_params(path: Path, **superres) -> Path:
+    raw = {k: dict(v) for k, v in RAW.items()}
+    raw["superres"].update(superres)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.slow
+def test_an_upsampler_samples_the_test_split_reproducibly_and_is_scored_beside_bicubic(trained, tmp_path):
+    config = json.loads((trained / "model" / "config.json").read_text())
+    assert config["params"]["superres"]["low_res"] == 4
+    cli("sample-superres", "--params", str(trained / "params.yaml"), "--model", str(trained / "model"),
+        "--data", str(trained / "data"), "--out", str(tmp_path / "s"))
+    with np.load(tmp_path / "s" / "samples.npz") as z:
+        s = {k: z[k] for k in z.files}
+    data = load_prepared(trained / "data")
+    assert s["images"].shape == (20, 1, 8, 8) and s["images"].dtype == np.uint8 and bool(s["from_test"])
+    # the inputs are the first 2 test images of each class, area-downsampled and rounded to uint8
+    labels = np.asarray(data.test_labels)
+    assert s["source_index"].tolist() == [i for c in range(10) for i in np.flatnonzero(labels == c)[:2]]
+    truth = np.stack([data.test_images[i] for i in s["source_index"]])
+    assert np.array_equal(s["labels"], labels[s["source_index"]])
+    blocks = truth.astype(np.float64).reshape(20, 1, 4, 2, 4, 2).mean(axis=(3, 5))
+    assert np.abs(s["low_res"] - np.clip(np.round(blocks), 0, 255)).max() <= 1  # (model range rounding)
+    # image k depends on (seed, k) only: another batch size gives the same images
+    p2 = yaml.safe_load((trained / "params.yaml").read_text())
+    p2["sample"]["batch_size"] = 3
+    (tmp_path / "p2.yaml").write_text(yaml.safe_dump(p2))
+    cli("sample-superres", "--params", str(tmp_path / "p2.yaml"), "--model", str(trained / "model"),
+        "--data", str(trained / "data"), "--out", str(tmp_path / "s3"))
+    with np.load(tmp_path / "s3" / "samples.npz") as z:
+        assert np.array_equal(z["images"], s["images"])
+    # scored beside bicubic upsampling of the same inputs
+    out = cli("evaluate-superres", "--params", str(trained / "params.yaml"), "--samples", str(tmp_path / "s"),
+              "--data", str(trained / "data"), "--evaluator", str(trained / "evaluator"),
+              "--out", str(tmp_path / "m.json"), "--detail", str(tmp_path / "d.json"))
+    assert "sr_psnr=" in out
+    head = json.loads((tmp_path / "m.json").read_text())
+    assert set(head) >= {"sr_psnr", "bicubic_psnr", "sr_ssim", "bicubic_ssim", "sr_fid", "bicubic_fid",
+                         "sr_precision", "bicubic_recall", "sr_consistency_mae", "bicubic_consistency_mae"}
+    from ddpmrepro.model.superres import bicubic_upsample
+
+    bicubic = bicubic_upsample(torch.from_numpy(s["low_res"]), 8).numpy()
+    assert head["bicubic_psnr"] == pytest.approx(psnr(bicubic, truth))
+    assert head["sr_psnr"] == pytest.approx(psnr(s["images"], truth))
+
+
+@pytest.mark.slow
+def test_the_cascade_upsamples_a_base_runs_samples(trained, tmp_path):
+    g = np.random.default_rng(0)
+    base = {"images": g.integers(0, 256, (5, 1, 4, 4), dtype=np.uint8), "labels": np.array([0, 3, 3, 9, 1]),
+            "seeds": np.arange(5)}
+    np.savez(tmp_path / "base.npz", **base)
+    params = write_params(tmp_path / "p.yaml", low_res_from=str(tmp_path / "base.npz"))
+    cli("sample-superres", "--params", str(params), "--model", str(trained / "model"), "--out", str(tmp_path / "c"))
+    with np.load(tmp_path / "c" / "samples.npz") as z:
+        assert z["images"].shape == (5, 1, 8, 8) and not bool(z["from_test"])
+        assert np.array_equal(z["low_res"], base["images"]) and np.array_equal(z["labels"], base["labels"])
+    # a base run at the wrong size is refused in one line, nothing written
+    np.savez(tmp_path / "big.npz", images=np.zeros((2, 1, 8, 8), np.uint8), labels=np.zeros(2, np.int64))
+    params = write_params(tmp_path / "q.yaml", low_res_from=str(tmp_path / "big.npz"))
+    result = CliRunner().invoke(main, ["sample-superres", "--params", str(params), "--model", str(trained / "model"),
+                                       "--out", str(tmp_path / "d")])
+    assert result.exit_code != 0 and "upsampler takes uint8 (C, 4, 4)" in result.output
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"superres": {"low_res": 8}}, "superres.low_res: 8 is not below data.image_size (8)"),
+    ({"superres": {"noise_aug": 0.0}}, "superres.sample_noise_aug: 0.1 is above superres.noise_aug"),
+])
+def test_bad_superres_params_name_the_key(raw, message):
+    with pytest.raises(P.ParamsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        P.from_dict(raw)
+
+
+def test_ssim_equals_a_direct_window_by_window_computation():
+    g = np.random.default_rng(1)
+    a = g.integers(0, 256, (2, 3, 13, 13), dtype=np.uint8)
+    b = np.clip(a.astype(int) + g.integers(-40, 40, a.shape), 0, 255).astype(np.uint8)
+    r = np.arange(11) - 5
+    w = np.exp(-r**2 / (2 * 1.5**2))
+    w = np.outer(w, w) / w.sum() ** 2
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    vals = []
+    for img in range(2):
+        for ch in range(3):
+            x, y = a[img, ch].astype(np.float64), b[img, ch].astype(np.float64)
+            for i in range(13 - 10):
+                for j in range(13 - 10):
+                    px, py = x[i:i + 11, j:j + 11], y[i:i + 11, j:j + 11]
+                    mx, my = (w * px).sum(), (w * py).sum()
+                    vx, vy = (w * (px - mx) ** 2).sum(), (w * (py - my) ** 2).sum()
+                    cxy = (w * (px - mx) * (py - my)).sum()
+                    vals.append((2 * mx * my + c1) * (2 * cxy + c2) / ((mx**2 + my**2 + c1) * (vx + vy + c2)))
+    assert ssim(a, b) == pytest.approx(np.mean(vals), rel=1e-9)
+    assert ssim(a, a) == pytest.approx(1.0)
+
+
+def test_psnr_and_consistency_closed_forms():
+    a = np.full((2, 1, 8, 8), 100, np.uint8)
+    b = a.copy()
+    b[:, :, 0, 0] = 110  # MSE = 100 / 64 per image
+    assert psnr(a, b) == pytest.approx(10 * np.log10(255**2 / (100 / 64)))
+    # the true image is consistent with its own downsampled, rounded version: error 0
+    g = np.random.default_rng(2)
+    hi = g.integers(0, 256, (4, 1, 8, 8), dtype=np.uint8)
+    low = to_uint8(downsample(to_model_range(hi), 4)).numpy()
+    c = consistency(hi, low)
+    assert c["consistency_mae"] == 0 and c["consistent_share"] == 1.0
+
+
+def test_the_cascade_pipeline_names_real_commands_options_and_params():
+    """cascade/dvc.yaml (the second pipeline): its params files load, and every stage's command
+    parses with this CLI (unknown options would be refused before --help prints)."""
+    root = Path(__file__).resolve().parents[1] / "cascade"
+    base, up = P.load(root / "base.yaml"), P.load(root / "upsampler.yaml")
+    assert up.superres.low_res == base.data.image_size and up.data.image_size == 2 * base.data.image_size
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        for entry in stage.get("params", []):  # DVC refuses a stage whose params key is not in the file
+            for file, keys in entry.items():
+                raw = yaml.safe_load((root / file).read_text())
+                for key in keys:
+                    section, _, sub = key.partition(".")
+                    assert section in raw and (not sub or sub in raw[section]), (name, file, key)
+        args = stage["cmd"].split()
+        args = args[args.index("ddpmrepro.cli") + 1:]
+        result = CliRunner().invoke(main, [*args, "--help"])
+        assert result.exit_code == 0, (name, result.output)
