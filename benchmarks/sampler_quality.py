@@ -57,7 +57,7 @@ def run_one(model, trained, config, p: P.SampleParams, f_test, y_test, evaluator
 
 def summarise(runs: list[dict]) -> list[dict]:
     """Mean and sample std over seeds per (sampler, budget)."""
-    keys = sorted({(r["sampler"], r["budget"]) for r in runs}, key=lambda x: (x[0], x[1]))
+    keys = list(dict.fromkeys((r["sampler"], r["budget"]) for r in runs))  # in the order run
     rows = []
     for sampler, budget in keys:
         rs = [r for r in runs if r["sampler"] == sampler and r["budget"] == budget]
@@ -68,6 +68,19 @@ def summarise(runs: list[dict]) -> list[dict]:
             row[m + "_std"] = statistics.stdev(vals) if len(vals) > 1 else None
         rows.append(row)
     return rows
+
+
+def markdown(result: dict) -> str:
+    """The docs/BENCHMARKS.md table: mean +- std over seed sets per sampler and budget."""
+    def pm(row, key, fmt):
+        std = row[key + "_std"]
+        return format(row[key], fmt) + ("" if std is None else " ± " + format(std, fmt))
+
+    lines = ["| sampler | NFE | FID | precision | recall | class acc | sampling wall s |", "|---|---|---|---|---|---|---|"]
+    for row in result["summary"]:
+        lines.append(f"| {row['sampler']} | {row['nfe']} | {pm(row, 'fid', '.3f')} | {pm(row, 'precision', '.3f')} | "
+                     f"{pm(row, 'recall', '.3f')} | {pm(row, 'class_acc', '.3f')} | {pm(row, 'wall_s', '.1f')} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -83,7 +96,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--table", type=Path, default=None, help="print the markdown table of this results JSON, run nothing")
     a = ap.parse_args()
+    if a.table:
+        import json
+
+        print(markdown(json.loads(a.table.read_text())))
+        return
     torch.set_num_threads(a.threads)
     params = P.load(a.params)
     base = params.sample
@@ -94,7 +113,7 @@ def main() -> None:
     data = load_prepared(a.data)
     f_test = evaluator.features(data.test_images)
     out = a.out or Path(__file__).parent / "results" / f"sampler_quality{'-' + a.tag if a.tag else ''}.json"
-    result = {"command": command_line("sampler_quality.py", a), "threads": a.threads,
+    result = {"command": command_line("sampler_quality.py", a, skip=("out", "table")), "threads": a.threads,
               "model": str(a.model), "T": trained.diffusion.timesteps, "schedule": trained.diffusion.schedule,
               "guidance": base.guidance, "per_class": base.per_class, "images": config["data"]["num_classes"]
               * base.per_class, "runs": [], "summary": []}
