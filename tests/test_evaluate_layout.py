@@ -41,7 +41,10 @@ def test_headline_is_the_few_decision_numbers_in_order_and_leaves_out_what_was_n
 def test_detail_holds_everything_and_per_class_agrees_with_the_global_numbers():
     gen, floor, per_class, bpd, inception, evaluator, train, logits, y = _inputs()
     headline, detail = layout(gen, floor, per_class, bpd, inception, evaluator, train)
-    assert set(detail) == {"samples", "floor", "per_class", "bpd", "inception", "evaluator", "train"}
+    assert set(detail) == {"samples", "floor", "per_class", "bpd", "inception", "evaluator", "train", "sampling"}
+    assert detail["sampling"] is None  # samples without sampling.json
+    sampling = {"sampler": "unipc", "nfe": 10, "guidance": 0.5}
+    assert layout(gen, floor, per_class, bpd, inception, evaluator, train, sampling)[1]["sampling"] == sampling
     assert not any(k.startswith("fid_class_") for k in detail["samples"]) and "kid_std" in detail["samples"]
     assert detail["train"] == train and detail["inception"] == inception
     assert list(detail["per_class"]) == ["zero", "one", "two", "three"]

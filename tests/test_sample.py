@@ -1,4 +1,5 @@
 """Sampling is a function of (model, params, image index): not of batch size or process count."""
+import json
 import os
 import subprocess
 import sys
@@ -8,7 +9,10 @@ import numpy as np
 import pytest
 import yaml
 
+from click.testing import CliRunner
+
 from ddpmrepro import params as P
+from ddpmrepro.cli import main
 from ddpmrepro.data import prepare
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -85,3 +89,36 @@ def test_a_respacing_the_trained_model_cannot_take_names_the_key_and_the_models_
         "Error: sample.respacing: 'ddim50': no integer stride takes exactly 50 of 20 steps (range(0, 20, i) for "
         "some i < 20); nearest possible: 'ddim20' (the model in model has 20 timesteps)"]
     assert not (trained / "never").exists()
+
+
+@pytest.mark.parametrize("sampler,extra", [("dpmpp_2m", {}), ("dpmpp_2m_sde", {"nfe": 6}),
+                                           ("unipc", {"spacing": "time_uniform", "thresholding": "dynamic"}),
+                                           ("heun", {"spacing": "karras", "nfe": 7, "churn": 1.0})])
+def test_the_fast_samplers_run_through_the_cli_and_record_their_network_calls(trained, sampler, extra):
+    # in-process (CliRunner): the same command without a second torch import per sampler
+    name = write_params(trained, f"fast_{sampler}.yaml", sampler=sampler, batch_size=7, **extra)
+    result = CliRunner().invoke(main, ["sample", "--params", str(trained / name), "--model", str(trained / "model"),
+                                       "--out", str(trained / f"fast_{sampler}")])
+    assert result.exit_code == 0, result.output
+    z = np.load(trained / f"fast_{sampler}" / "samples.npz")
+    assert z["images"].shape == (20, 1, 8, 8) and z["images"].std() > 0
+    sampling = json.loads((trained / f"fast_{sampler}" / "sampling.json").read_text())
+    assert sampling == {"sampler": sampler, "nfe": extra.get("nfe", 20), "guidance": 0.5}
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"sampler": "dpm"}, "sample.sampler: 'dpm' is not one of ddim | ddpm | dpmpp_2m | dpmpp_2m_sde | unipc | heun"),
+    ({"sampler": "unipc", "nfe": 2}, "sample.nfe: must be >= 3, got 2"),
+    ({"sampler": "unipc", "spacing": "quadratic"},
+     "sample.spacing: 'quadratic' is not one of logsnr | time_uniform | karras | respacing"),
+    ({"sampler": "ddim", "thresholding": "dynamic"},
+     "sample.thresholding: 'dynamic' is for the fast solvers; ddim takes static or none (its clip_denoised)"),
+    ({"sampler": "unipc", "churn": 1.0}, "sample.churn: only heun adds churn, not unipc; set churn: 0"),
+])
+def test_bad_sampler_values_exit_2_with_one_line_and_write_nothing(tmp_path, bad, message):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"sample": bad}))
+    result = CliRunner().invoke(main, ["sample", "--params", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"Error: {path}: {message}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]

@@ -218,12 +218,30 @@ class SampleParams:
     ema_rate: float = _f(0.999, min=0.0, max=1.0, doc="Which trained EMA weights to sample from; 0 = the raw "
                                                       "weights.")
     per_class: int = _f(50, min=1, doc="Images per class.")
-    sampler: str = _f("ddim", choices=("ddim", "ddpm"), doc="Ancestral DDPM sampling or DDIM.")
+    sampler: str = _f("ddim", choices=("ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "unipc", "heun"),
+                      doc="Ancestral DDPM sampling, DDIM, or the fast solvers of docs/SAMPLERS.md: "
+                          "DPM-Solver++(2M), its SDE variant, UniPC (bh2) and EDM's Heun.")
     respacing: str = _f("ddim50", doc="Timesteps to sample on (IDDPM's rule, ddpmrepro/respace.py): '' (all T), "
                                       "'ddimN' (an integer stride giving exactly N steps), or steps per "
                                       "section like '10,15,20' (each between 1 and its section's length); "
-                                      "checked against diffusion.timesteps.")
+                                      "checked against diffusion.timesteps. ddpm and ddim always sample on "
+                                      "these steps; the fast solvers only with `spacing: respacing`.")
+    nfe: int = _f(20, min=3, doc="Network calls of the fast solvers (with guidance one call is one doubled "
+                                 "batch). heun makes 2M-1 calls for M points, so an even budget runs one call "
+                                 "less. ddpm and ddim take their steps from `respacing` instead.")
+    spacing: str = _f("logsnr", choices=("logsnr", "time_uniform", "karras", "respacing"),
+                      doc="Fast solvers' evaluation points: uniform in log-SNR (DPM-Solver's), in the index, "
+                          "EDM's rho=7 steps, or the integer steps of `respacing` (nfe unused).")
+    lambda_min: float = _f(-5.1, doc="Fast solvers start where the half log-SNR lambda of the table reaches "
+                                     "this (cosine tails fall to -9.9 at T=1000, pure noise); -5.1 as "
+                                     "dpm-solver and diffusers. Not used with `spacing: respacing`.")
     eta: float = _f(0.0, min=0.0, max=1.0, doc="DDIM's eta: 0 deterministic, 1 DDPM-like noise.")
+    thresholding: str = _f("static", choices=("static", "dynamic", "none"),
+                           doc="The x0 estimate at every step: clamped to [-1, 1] (ddpm/ddim's clip_denoised), "
+                               "Imagen's dynamic thresholding (99.5% quantile per image; fast solvers only), "
+                               "or left as is.")
+    churn: float = _f(0.0, min=0.0, doc="heun only: EDM's S_churn (0 = the deterministic ODE); each step first "
+                                        "adds noise raising sigma by min(churn/M, sqrt(2)-1).")
     guidance: float = _f(0.5, min=0.0, doc="Classifier-free guidance w in eps = (1+w) eps_c - w eps_u; "
                                            "0 = plain conditional.")
     seed: int = _f(0, min=0, doc="Image k draws its noise from its own generator seeded by (seed, k).")
@@ -409,6 +427,12 @@ def _check_cross_field(obj, path: str) -> None:
         if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
             raise ParamsError(f"superres.low_res: {obj.superres.low_res} is not below data.image_size "
                               f"({obj.data.image_size}); give the low-res side, e.g. {obj.data.image_size // 2}")
+        fast = obj.sample.sampler not in ("ddpm", "ddim")
+        if obj.sample.thresholding == "dynamic" and not fast:
+            raise ParamsError(f"sample.thresholding: 'dynamic' is for the fast solvers; {obj.sample.sampler} "
+                              "takes static or none (its clip_denoised)")
+        if obj.sample.churn and obj.sample.sampler != "heun":
+            raise ParamsError(f"sample.churn: only heun adds churn, not {obj.sample.sampler}; set churn: 0")
         # The respacer itself decides (one rule, not a copy): any string it cannot apply to T steps.
         try:
             space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)
@@ -489,7 +513,8 @@ def markdown() -> str:
            "", "Checked across keys:",
            "- `sample.respacing` must respace `diffusion.timesteps` steps (by the very function that respaces);",
            "- `introspect.steps` and `introspect.dump_steps` lie in 1..`train.steps`; `dump_steps` need `dump_modules`;",
-           "- `train.ema_rates`: at least one, each in (0, 1); `model.channel_mult`: not empty.", ""]
+           "- `train.ema_rates`: at least one, each in (0, 1); `model.channel_mult`: not empty;",
+           "- `sample.thresholding: dynamic` needs a fast solver; `sample.churn` > 0 needs `sampler: heun`.", ""]
     for section, cls in typing.get_type_hints(Params).items():
         out += [f"## {section}", "", " ".join((cls.__doc__ or "").split()), "",
                 "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]

@@ -119,7 +119,7 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
 
     headline, detail = layout(gen, floor, _per_class(gen, floor, logits_gen, samples["labels"],
                                                      data.manifest["class_names"]),
-                              bpd, inception, evaluator_metrics, train)
+                              bpd, inception, evaluator_metrics, train, sampling=load_sampling(samples_dir))
     if unconditional:  # shown as not applicable (null), never as a 0 that reads like broken conditioning
         headline = {"class_acc": None, **headline}  # first, as in HEADLINE
         detail["samples"]["conditional"] = False
@@ -132,17 +132,27 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     return headline
 
 
+def load_sampling(samples_dir: Path) -> dict | None:
+    """The sample stage's sampling.json (sampler, network calls per image, guidance), or None for
+    samples written before it existed."""
+    path = Path(samples_dir) / "sampling.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def layout(gen: dict, floor: dict, per_class: dict, bpd: dict | None, inception: dict, evaluator: dict,
-           train: dict) -> tuple[dict, dict]:
+           train: dict, sampling: dict | None = None) -> tuple[dict, dict]:
     """(headline, detail): the few numbers `dvc exp show` makes columns of, and everything.
 
     gen, floor: `feature_metrics` of the samples and of the real floor (keys without `floor_`);
     bpd: {"bpd", "images"} or None; inception: `inception_metrics` without the prefix; evaluator:
-    the evaluator's own metrics.json; train: dvclive's last logged values. A headline key without
+    the evaluator's own metrics.json; train: dvclive's last logged values; sampling: the sample
+    stage's sampler and network calls (detail only: `dvc exp show` already has sample.* as params
+    columns, and the headline stays at ten numbers). A headline key without
     a value (no bits/dim, no Inception weights) is left out rather than shown as a column of nulls.
     """
     detail = {"samples": _without_per_class(gen), "floor": _without_per_class(floor), "per_class": per_class,
-              "bpd": bpd, "inception": inception, "evaluator": evaluator, "train": train}
+              "bpd": bpd, "inception": inception, "evaluator": evaluator, "train": train,
+              "sampling": sampling}
     values = {
         "class_acc": gen.get("accuracy"), "fid": gen["fid"], "floor_fid": floor["fid"],
         "precision": gen["precision"], "recall": gen["recall"], "bpd": bpd["bpd"] if bpd else None,

@@ -19,6 +19,7 @@ from .. import files
 from ..data import to_uint8
 from ..model.diffusion import from_params as diffusion_from_params
 from ..model.diffusion import guided_model_fn
+from ..model import samplers
 from ..model.superres import build_superres
 from ..model.unet import build_unet
 from ..params import Params, ParamsError, SampleParams, from_dict
@@ -58,7 +59,11 @@ def image_seed(base: int, k: int) -> int:
 @torch.no_grad()
 def generate(model, diffusion, labels: torch.Tensor, seeds: list[int], p: SampleParams, num_classes: int,
              shape: tuple[int, int, int], device, progress=None) -> torch.Tensor:
-    """uint8 images (B, C, H, W) for these labels, each from its own seeded generator."""
+    """uint8 images (B, C, H, W) for these labels, each from its own seeded generator.
+
+    :param diffusion: for ddpm/ddim the respaced GaussianDiffusion, for the fast solvers a
+        `samplers.Plan` (see `process`).
+    """
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     if model.label_embed is None:  # unconditional: no labels, so nothing to guide
         def model_fn(x, t):
@@ -66,10 +71,30 @@ def generate(model, diffusion, labels: torch.Tensor, seeds: list[int], p: Sample
         model_fn.device = torch.device(device)
     else:
         model_fn = guided_model_fn(model, labels.to(device), p.guidance, num_classes)
+    if p.sampler in samplers.SAMPLERS:
+        x = diffusion.sample(model_fn, (len(labels), *shape), generators=gens, progress=progress, device=device)
+        return to_uint8(x.cpu())
     run = diffusion.ddim_sample if p.sampler == "ddim" else diffusion.ddpm_sample
     kwargs = {"eta": p.eta} if p.sampler == "ddim" else {}
+    if p.thresholding != "static":  # only passed when not the default, so ddpm/ddim run exactly as before
+        kwargs["clip_denoised"] = False
     x = run(model_fn, (len(labels), *shape), generators=gens, progress=progress, device=device, **kwargs)
     return to_uint8(x.cpu())
+
+
+def process(trained_diffusion, p: SampleParams, model_dir: Path):
+    """(what `generate` samples with, network calls per image): the respaced GaussianDiffusion of
+    ddpm/ddim, or the fast solver's `samplers.Plan`, for the model's own T and schedule."""
+    try:  # params.yaml was checked against its own diffusion.timesteps; the model may have another T
+        if p.sampler in samplers.SAMPLERS:
+            plan = samplers.from_params(trained_diffusion, p)
+            return plan, plan.nfe
+        # Respacing applies to both samplers (IDDPM samples DDPM on respaced steps too).
+        diffusion = diffusion_from_params(trained_diffusion, respacing=p.respacing)
+        return diffusion, diffusion.num_timesteps
+    except ValueError as e:
+        raise ValueError(f"sample.respacing: {e} (the model in {model_dir} has "
+                         f"{trained_diffusion.timesteps} timesteps)") from None
 
 
 def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
@@ -85,12 +110,7 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
         raise ParamsError(f"sample.guidance={p.guidance:g}: {model_dir} was imported from a model without a null "
                           "label (docs/MODELS.md), so guidance means nothing; set sample.guidance: 0")
     data = config["data"]
-    # Respacing applies to both samplers (IDDPM samples DDPM on respaced steps too).
-    try:  # params.yaml was checked against its own diffusion.timesteps; the model may have another T
-        diffusion = diffusion_from_params(trained.diffusion, respacing=p.respacing)
-    except ValueError as e:
-        raise ValueError(f"sample.respacing: {e} (the model in {model_dir} has "
-                         f"{trained.diffusion.timesteps} timesteps)") from None
+    diffusion, nfe = process(trained.diffusion, p, model_dir)
     num_classes, shape = data["num_classes"], (data["channels"], data["image_size"], data["image_size"])
 
     n = num_classes * p.per_class
@@ -126,15 +146,17 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
         if model.label_embed is None:  # an unconditional model was conditioned on nothing: label -1
             labels = np.full(n, -1)
         seeds = np.array([image_seed(p.seed, k) for k in range(n)], dtype=np.int64)
-        write_samples(out_dir, all_images.numpy(), labels, seeds, data["class_names"], params)
+        write_samples(out_dir, all_images.numpy(), labels, seeds, data["class_names"], params,
+                      sampling={"sampler": p.sampler, "nfe": nfe, "guidance": p.guidance})
     D.barrier()
     D.cleanup()
     return out_dir / "samples.npz"
 
 
 def write_samples(out_dir: Path, images: np.ndarray, labels: np.ndarray, seeds: np.ndarray, class_names,
-                  params: Params) -> None:
-    """samples.npz + grid.png + params.yaml, swapped into place together."""
+                  params: Params, sampling: dict | None = None) -> None:
+    """samples.npz + grid.png + params.yaml (+ sampling.json: the sampler and its network calls per
+    image, which evaluate copies into the metrics), swapped into place together."""
     from ..params import save_resolved
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
@@ -145,6 +167,8 @@ def write_samples(out_dir: Path, images: np.ndarray, labels: np.ndarray, seeds: 
     files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
     save_grid(images, labels, class_names, tmp / "grid.png")
     save_resolved(params, tmp / "params.yaml", sections=("sample",))
+    if sampling is not None:
+        files.atomic_write_text(tmp / "sampling.json", json.dumps(sampling, indent=2) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
