@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from project_copy import copy_project
-from test_pipeline import TINY, deep_update, only_changed_table
+from project_copy import TINY, deep_update
+from test_pipeline import only_changed_table
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
