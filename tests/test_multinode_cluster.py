@@ -11,6 +11,8 @@ torchrun across the hosts over gloo/TCP, a temporary git + DVC repo on tiny para
 - two 2-node jobs on the same two nodes at once both finish, both bitwise equal (a port per job);
 - a node lost mid-run (its processes killed) fails the job with one `Error:` line, and the rerun
   resumes from the last checkpoint and ends bitwise equal;
+- docs/CLUSTER.md's Snakemake recipe for 2 nodes (`train:nodes=2 ... --set-threads train=1`),
+  typed on the controller host, runs one 2-node job and ends bitwise equal;
 - without SLURM, `ddpmrepro train --nnodes 2 --node-rank K --rdzv node1:PORT` on node1 and node2
   equals 1 node x 2 processes bitwise.
 
@@ -209,9 +211,33 @@ def term_delivered(pid: int) -> bool:
     return any(int(m, 16) >> 14 & 1 for m in re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)", status, re.M))
 
 
+# --- Snakemake ------------------------------------------------------------------------------------
+def test_the_snakemake_profile_trains_on_two_nodes(repo, reference):
+    """docs/CLUSTER.md section 3's recipe on CPU nodes, typed on the controller host: one job of
+    2 nodes, one torchrun per node (the job step drops SLURM's node list; scontrol gives it back),
+    one thread per process from the job's `threads`, bitwise equal."""
+    proc = on("ctl", "snakemake", "train", "--workflow-profile", "profiles/slurm", "--default-resources",
+              "slurm_account=ddpmrepro", "slurm_partition=debug", "--set-resources", "train:nodes=2", "train:tasks=2",
+              "train:mpi=srun", "train:gpu=0", "train:tasks_per_gpu=0", "--set-threads", "train=1", repo=repo,
+              timeout=900)
+    out = proc.stdout + proc.stderr
+    job = re.search(r"SLURM jobid (\d+) \(log: \S*/rule_train/", out).group(1)
+    info = job_info(repo, job)
+    assert (info["JobState"], info["NumNodes"], info["NodeList"]) == ("COMPLETED", "2", "node[1-2]"), info
+    per_node = int(info["NumCPUs"]) // 2
+    assert f"train: partition 'debug' has no GPUs: its 1 process(es) run on {per_node} CPUs on each of 2 nodes" in out
+    log = (repo / "logs/dvc/train.log").read_text()
+    assert len(re.findall(r"^trained 12 steps", log, re.M)) == 1, log[-3000:]
+    assert_bitwise_equal(repo / "models/ddpm", reference)
+
+
 # --- preemption -----------------------------------------------------------------------------------
 def test_two_node_training_stopped_twice_requeues_itself_and_ends_bitwise_equal(repo, reference):
     """As a Snakemake job runs it (workflow/scripts/dvc_stage.sh), without Snakemake around it."""
+    # A param that changes no weight: DVC runs the stage again (an earlier test may have run it).
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["checkpoint_every"] = 5
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (repo / "logs/dvc").mkdir(parents=True, exist_ok=True)
     log = repo / "logs/dvc/train.log"
     proc = on("ctl", "sbatch", "--parsable", "--requeue", *TWO_NODES, "-o", str(repo.parent / "preempt.log"),
