@@ -4,7 +4,9 @@
 - one process: run here (no launcher needed);
 - several processes on one node: re-exec under `torchrun --standalone`;
 - a multi-node SLURM allocation: `srun torchrun` with the rendezvous taken from SLURM;
-- already started by srun once per node: this node's torchrun, same rendezvous (never srun again).
+- already started by srun once per node: this node's torchrun, same rendezvous (never srun again);
+- several nodes without SLURM (`--nnodes N --node-rank K --rdzv HOST:PORT`): this node's torchrun
+  with torchrun's static rendezvous.
 
 "torchrun" is `python -m ddpmrepro.runtime.torchrun`: torchrun whose workers die with it and whose failures
 are one line (see torchrun.py). `run_launcher` ties it to this process in turn.
