@@ -79,6 +79,21 @@ def test_run_lock_refuses_a_second_writer(tmp_path):
         pass
 
 
+def test_run_lock_on_a_filesystem_without_flock_is_one_line(tmp_path, monkeypatch):
+    """Lustre without `-o flock` answers flock(2) with ENOSYS, some NFS setups with ENOLCK: a stand-in
+    for such a filesystem, which this machine has none of."""
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.raises(C.CheckpointError, match=r"\.lock: cannot lock it \(Function not implemented\): its filesystem "
+                                                r"has no flock; .*-o flock"):
+        with C.RunLock(tmp_path):
+            pass
+
+
 # Torch's own wording of a refused load, which a user should never have to read (issue 17, item 7).
 TORCH_WORDS = ("Weights only load failed", "weights_only", "Unsupported", "WeightsUnpickler", "`", "PytorchStreamReader")
 

@@ -1,5 +1,6 @@
 """The torchrun / srun command lines built for each launch case."""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -14,13 +15,108 @@ def test_single_node_uses_torchrun_standalone():
     assert cmd[-5:] == ["-m", "ddpmrepro.cli", "train", "--params", "p.yaml"]
 
 
+NO_SCONTROL = "/nonexistent/scontrol"  # node addresses fall back to the node names
+
+
 def test_multi_node_uses_srun_with_rendezvous_from_slurm():
     env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_ID": "777"}
-    cmd = launch.srun_torchrun_command(8, ["train"], env)
+    cmd = launch.srun_torchrun_command(8, ["train"], env, scontrol=NO_SCONTROL)
     assert cmd[0] == "srun" and "--nodes=2" in cmd and "--ntasks-per-node=1" in cmd
     assert "--nnodes=2" in cmd and "--nproc_per_node=8" in cmd
-    assert "--rdzv_endpoint=gpu03:29500" in cmd and "--rdzv_id=777" in cmd and "--rdzv_backend=c10d" in cmd
+    assert "--rdzv_endpoint=gpu03:20777" in cmd and "--rdzv_id=777" in cmd and "--rdzv_backend=c10d" in cmd
     assert "--standalone" not in cmd
+
+
+def test_a_stop_on_every_node_keeps_its_exit_code_130_through_srun():
+    """kill-on-bad-exit=1 made srun kill the second node's torchrun when the first exited 130 a
+    moment earlier, and return 143: dvc_stage.sh then did not requeue the preempted job. srun now
+    waits for every task (and ends a task that outlives the first one by PEER_WAIT_S)."""
+    env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "5"}
+    srun = launch.srun_torchrun_command(1, ["train"], env, scontrol=NO_SCONTROL)
+    srun = srun[:srun.index(sys.executable)]
+    assert "--kill-on-bad-exit=0" in srun and "--kill-on-bad-exit=1" not in srun
+    assert f"--wait={launch.PEER_WAIT_S}" in srun and 10 <= launch.PEER_WAIT_S <= 300
+
+
+def test_each_job_has_its_own_rendezvous_port():
+    """Two jobs whose first node is the same must not share a port: the second could not bind it
+    and joined the first job's store (torch's fallback). Ports are the job's reserved ones where
+    SLURM reserves some for the step, else from the job id, below the ephemeral ports."""
+    ports = {launch.rendezvous_port({"SLURM_JOB_ID": str(job)}) for job in range(100, 120)}
+    assert len(ports) == 20 and all(20000 <= p < 30000 for p in ports)
+    assert launch.rendezvous_port({"SLURM_JOB_ID": "123456"}) == 20000 + 3456
+    step = {"SLURM_JOB_ID": "8", "SLURM_STEP_RESV_PORTS": "12011-12012"}
+    assert launch.rendezvous_port(step, step=True) == 12011  # inside the step that runs the torchruns
+    assert launch.rendezvous_port(step) == 20008  # before srun: that step's ports are not known yet
+    assert launch.rendezvous_port({}) == 29500  # not a SLURM job: torch's default
+    env = {"SLURM_JOB_ID": "8", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "a[1-2]", **step}
+    assert "--rdzv_endpoint=a1:12011" in launch.node_torchrun_command(1, ["train"], env, scontrol=NO_SCONTROL)
+
+
+def test_the_rendezvous_host_is_the_first_nodes_address(tmp_path):
+    """NodeAddr from scontrol: a NodeName need not resolve as a hostname."""
+    scontrol = tmp_path / "scontrol"
+    line = "NodeName=gpu03 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.1.2.3 NodeHostName=gpu03 Version=22.05.8"
+    scontrol.write_text(f"#!/bin/sh\n[ \"$*\" = 'show node -o gpu03' ] && echo '{line}'\n")
+    scontrol.chmod(0o755)
+    assert launch.node_address("gpu03", str(scontrol)) == "10.1.2.3"
+    env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_ID": "777"}
+    assert "--rdzv_endpoint=10.1.2.3:20777" in launch.srun_torchrun_command(8, ["train"], env, scontrol=str(scontrol))
+    assert launch.node_address("gpu04", str(scontrol)) == "gpu04"  # scontrol failed: the name
+    assert launch.node_address("gpu03", NO_SCONTROL) == "gpu03"
+
+
+@pytest.mark.parametrize(("omp", "nproc"), [(None, 1), (None, 2), ("1", 1), ("1", 2), ("2", 2), ("8", 1)])
+def test_threads_per_process_on_each_node_are_the_one_node_runs(tmp_path, omp, nproc):
+    """On one node cpu_slots.claim sets OMP_NUM_THREADS for the workers; a node of a multi-node run
+    gives them exactly as many (torch's CPU results depend on the thread count): here the same
+    cores, this process's."""
+    cores = len(os.sched_getaffinity(0))
+    env = {"DDPMREPRO_CPU_SLOTS": "1", "DDPMREPRO_CPU_LOCK_DIR": str(tmp_path), "DDPMREPRO_CPU_WAIT": "60",
+           **({"OMP_NUM_THREADS": omp} if omp else {})}
+    code = ("import os, sys; from ddpmrepro.runtime import cpu_slots; env = dict(os.environ); "
+            f"cpu_slots.claim({nproc}, env=env, set_torch=False); print(env['OMP_NUM_THREADS'])")
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    one_node = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    assert str(launch.node_threads(env, nproc, cores)) == one_node
+    # in a SLURM job, the node's CPUs come from SLURM (no CPU binding: the affinity is the whole machine)
+    assert launch.node_threads({"SLURM_CPUS_ON_NODE": str(cores), **env}, nproc) == int(one_node)
+
+
+def test_threads_from_slurms_cpus_on_the_node():
+    assert launch.node_threads({"SLURM_CPUS_ON_NODE": "1"}, 1) == 1  # not the machine's cores
+    assert launch.node_threads({"SLURM_CPUS_ON_NODE": "8"}, 2) == 4
+    assert launch.node_threads({"SLURM_CPUS_ON_NODE": "8", "OMP_NUM_THREADS": "2"}, 2) == 1  # Snakemake's threads
+    assert launch.node_threads({"SLURM_CPUS_ON_NODE": "1"}, 4) == 1  # never 0
+
+
+def test_several_nodes_without_slurm_use_torchruns_static_rendezvous():
+    cmd = launch.static_torchrun_command(2, ["train", "--out", "m"], 3, 1, "node1:29400")
+    assert cmd[:3] == [sys.executable, "-m", "ddpmrepro.runtime.torchrun"]
+    assert {"--nnodes=3", "--node_rank=1", "--nproc_per_node=2", "--master_addr=node1", "--master_port=29400"} <= set(cmd)
+    assert cmd[-5:] == ["-m", "ddpmrepro.cli", "train", "--out", "m"]
+    assert launch.worker_args(["train", "--nnodes", "2", "--node-rank=1", "--rdzv", "h:1", "--out", "m"]) == \
+        ["train", "--out", "m"]
+    for bad in ("node1", "node1:", ":29400", "node1:port", "node1:70000"):
+        with pytest.raises(launch.LaunchError, match=r"is not HOST:PORT"):
+            launch.static_torchrun_command(1, ["train"], 2, 0, bad)
+
+
+def test_cli_refuses_nnodes_without_node_rank_and_rdzv(tmp_path):
+    from click.testing import CliRunner
+
+    from ddpmrepro.cli import main
+
+    (tmp_path / "params.yaml").write_text("{}\n")
+    for extra in (["--nnodes", "2", "--rdzv", "h:1"], ["--nnodes", "2", "--node-rank", "2", "--rdzv", "h:1"],
+                  ["--nnodes", "2", "--node-rank", "0"]):
+        result = CliRunner().invoke(main, ["train", "--params", str(tmp_path / "params.yaml"), *extra],
+                                    env={"SLURM_JOB_ID": None})
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines()[-1] == (
+            "Error: --nnodes 2 needs --node-rank K (0 to 1, a different one on each node) and --rdzv HOST:PORT "
+            "(node 0's address and a free port)")
 
 
 def test_first_slurm_host():
@@ -43,7 +139,7 @@ def test_max_restarts_goes_to_the_launcher_not_the_workers():
     assert cmd[:3] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable] and "--max-restarts=3" in cmd
     assert launch.torchrun_command(2, ["train"])[0] == sys.executable
     env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[03-04]"}
-    cmd = launch.srun_torchrun_command(8, ["train"], env, max_restarts=3)
+    cmd = launch.srun_torchrun_command(8, ["train"], env, max_restarts=3, scontrol=NO_SCONTROL)
     assert cmd[cmd.index("env") + 1] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" and "--max-restarts=3" in cmd
 
 
@@ -59,11 +155,12 @@ def test_srun_once_per_node_runs_this_nodes_torchrun_with_the_shared_rendezvous(
     env = {"SLURM_JOB_ID": "777", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_STEP_ID": "0",
            "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[03-04]", "SLURM_PROCID": "1"}
     assert launch.srun_role(env) == "per-node"
-    cmd = launch.node_torchrun_command(4, ["train"], env, max_restarts=2)
+    cmd = launch.node_torchrun_command(4, ["train"], env, max_restarts=2, scontrol=NO_SCONTROL)
     assert "srun" not in cmd and "--standalone" not in cmd
     # exactly the torchrun that our own `srun torchrun` launch runs on each node
-    assert cmd == launch.srun_torchrun_command(4, ["train"], env, max_restarts=2)[4:]
-    assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv_endpoint=gpu03:29500", "--rdzv_id=777"} <= set(cmd)
+    srun = launch.srun_torchrun_command(4, ["train"], env, max_restarts=2, scontrol=NO_SCONTROL)
+    assert cmd == srun[srun.index("env"):]
+    assert {"--nnodes=2", "--nproc_per_node=4", "--rdzv_endpoint=gpu03:20777", "--rdzv_id=777"} <= set(cmd)
 
 
 def test_srun_once_per_gpu_is_refused_with_one_line():
@@ -99,8 +196,8 @@ def test_node_list_from_scontrol_when_the_job_step_dropped_it(tmp_path):
     # Snakemake's job step keeps only the job id among the SLURM_* variables.
     found = launch.slurm_allocation({"SLURM_JOB_ID": "4242"}, scontrol=str(scontrol))
     assert found == {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
-    cmd = launch.srun_torchrun_command(4, ["train"], {"SLURM_JOB_ID": "4242", **found})
-    assert "--nodes=2" in cmd and "--rdzv_endpoint=gpu07:29500" in cmd
+    cmd = launch.srun_torchrun_command(4, ["train"], {"SLURM_JOB_ID": "4242", **found}, scontrol=NO_SCONTROL)
+    assert "--nodes=2" in cmd and "--rdzv_endpoint=gpu07:24242" in cmd
     # nothing to add: SLURM's own variables are there, or this is not a SLURM job, or no scontrol
     assert launch.slurm_allocation({"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu07"}, scontrol=str(scontrol)) == {}
     assert launch.slurm_allocation({}, scontrol=str(scontrol)) == {}
@@ -136,11 +233,18 @@ def test_a_killed_agents_work_directory_is_removed_by_the_next_agent(tmp_path, m
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = tmp_path / f"ddpmrepro-torchrun-{int(dead.stdout)}-a1"  # SIGKILLed: its errors/ is still there
-    kept = tmp_path / f"ddpmrepro-torchrun-{int(dead.stdout)}-b2"  # ended and kept its log for the user
-    running = tmp_path / f"ddpmrepro-torchrun-{os.getpid()}-c3"
-    for d in (killed / "errors", kept, running / "errors"):
+    host = torchrun._host()
+    killed = tmp_path / f"ddpmrepro-torchrun-{int(dead.stdout)}@{host}-a1"  # SIGKILLed: its errors/ is still there
+    kept = tmp_path / f"ddpmrepro-torchrun-{int(dead.stdout)}@{host}-b2"  # ended and kept its log for the user
+    running = tmp_path / f"ddpmrepro-torchrun-{os.getpid()}@{host}-c3"
+    # a TMPDIR shared with another node: that pid is not this host's to judge
+    elsewhere = tmp_path / f"ddpmrepro-torchrun-{int(dead.stdout)}@{host}x-d4"
+    for d in (killed / "errors", kept, running / "errors", elsewhere / "errors"):
         d.mkdir(parents=True)
     (kept / "torchrun.log").write_text("the log an Error line named")
     torchrun._remove_work_dirs_of_killed_agents()
-    assert not killed.exists() and kept.exists() and running.exists()
+    assert not killed.exists() and kept.exists() and running.exists() and elsewhere.exists()
+    work = subprocess.run([sys.executable, "-c", "import tempfile, os, socket, sys; sys.argv = ['x']; "
+                           "from ddpmrepro.runtime import torchrun; print(torchrun._host())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert work == host and "@" not in host

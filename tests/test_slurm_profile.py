@@ -31,7 +31,7 @@ with open(os.environ["FAKE_SBATCH_LOG"], "a") as f:
 sys.exit("sbatch: error: a stand-in, not a cluster")
 """
 SINFO = """#!/bin/sh
-printf '%s\\n' 'gpu01|gpu*|64|512000|gpu:a100:8(S:0-1)' 'gpu02|gpu*|64|512000|gpu:a100:8(S:0-1)' 'cpu01|cpu|32|128000|(null)'
+printf '%s\\n' 'gpu01|gpu*|64|512000|gpu:a100:8(S:0-1)' 'gpu02|gpu*|64|512000|gpu:a100:8(S:0-1)' 'cpu01|cpu|32|128000|(null)' 'cpu02|cpu|32|128000|(null)'
 """
 SCONTROL = """#!/bin/sh
 printf '%s\\n' 'AccountingStorageType   = accounting_storage/slurmdbd' 'MinJobAge               = 300 sec'
@@ -95,9 +95,11 @@ def place_outputs(repo: Path) -> None:
                     path.write_text("{}")
 
 
-def submit(repo: Path, changes: dict, *extra: str, refused: bool = False) -> dict[str, list[str]]:
+def submit(repo: Path, changes: dict, *extra: str, refused: bool = False, output: list | None = None
+           ) -> dict[str, list[str]]:
     """sbatch's arguments per rule, for a Snakemake run after `changes` to params.yaml (the
-    Snakemake output instead when `refused`: the Snakefile stopped it before any sbatch)."""
+    Snakemake output instead when `refused`: the Snakefile stopped it before any sbatch; appended
+    to `output` when given)."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     for key, value in changes.items():
         section, name = key.split(".")
@@ -112,6 +114,8 @@ def submit(repo: Path, changes: dict, *extra: str, refused: bool = False) -> dic
                "--retries", "0", "--latency-wait", "0", "--slurm-init-seconds-before-status-checks", "1", *extra,
                check=False,
                env={"FAKE_SBATCH_LOG": str(log), "PATH": f"{stubs}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}"})
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     if refused:
         assert proc.returncode != 0 and not log.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc.stdout + proc.stderr
@@ -177,3 +181,17 @@ def test_multi_node_recipe_gives_one_task_per_node(repo):
     check_common(args, expected("train"))
     assert opt(args, "--nodes") == "2" and opt(args, "--ntasks") == "2" and opt(args, "--gres") == "gpu:4"
     assert opt(args, "--gpus") is None and opt(args, "--ntasks-per-gpu") is None
+
+
+def test_multi_node_on_a_partition_without_gpus_counts_the_nodes(repo):
+    """The recipe on CPU nodes (as on tests/test_multinode_cluster.py's cluster): each node runs
+    train.nproc processes on the CPUs of its own task, and the notice says so per node."""
+    output = []
+    calls = submit(repo, {"train.nproc": 2}, "--set-resources", "train:nodes=2", "train:tasks=2", "train:mpi=srun",
+                   "train:gpu=0", "train:tasks_per_gpu=0", "train:slurm_partition=cpu",
+                   output=output)
+    args = calls["train"]
+    assert opt(args, "--nodes") == "2" and opt(args, "--ntasks") == "2"
+    per_node = int(opt(args, "--cpus-per-task"))  # one task (one torchrun) per node
+    assert per_node >= 2  # at least a CPU per process
+    assert f"train: partition 'cpu' has no GPUs: its 2 process(es) run on {per_node} CPUs on each of 2 nodes" in output[0]

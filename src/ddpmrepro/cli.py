@@ -233,10 +233,15 @@ def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
 @click.option("--restart", is_flag=True, help="Ignore existing checkpoints of this run and start from step 0.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=None,
               help="Under torchrun: restart all ranks this often after one fails; overrides train.max_restarts.")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Nodes of a multi-node run without SLURM (run this on each; with --node-rank, --rdzv).")
+@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank, 0 to NNODES-1.")
+@click.option("--rdzv", default=None, metavar="HOST:PORT", help="Node 0's address and a free port on it.")
 @user_errors
 @writes(out="dir", live_dir="dir", introspect_dir="dir", checkpoint_root="dir")
 def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspect_dir: Path,
-          checkpoint_root: Path, nproc: int | None, restart: bool, max_restarts: int | None) -> None:
+          checkpoint_root: Path, nproc: int | None, restart: bool, max_restarts: int | None, nnodes: int,
+          node_rank: int | None, rdzv: str | None) -> None:
     """Train the conditional UNet (torchrun DDP when nproc > 1).
 
     \b
@@ -260,11 +265,22 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
         return
     nproc = nproc or params.train.nproc
     max_restarts = params.train.max_restarts if max_restarts is None else max_restarts
+    if not D.in_launch() and nnodes > 1:  # several nodes without SLURM: this node's torchrun
+        if node_rank is None or node_rank >= nnodes or not rdzv:
+            raise click.UsageError(f"--nnodes {nnodes} needs --node-rank K (0 to {nnodes - 1}, a different one on each "
+                                   "node) and --rdzv HOST:PORT (node 0's address and a free port)")
+        cmd = launch.static_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), nnodes, node_rank, rdzv,
+                                             max_restarts=max_restarts)
+        if _check_devices(params.train.device, nproc, claim=False):
+            os.environ["OMP_NUM_THREADS"] = str(launch.node_threads(dict(os.environ), nproc))
+        raise SystemExit(launch.run_launcher(cmd))
     if not D.in_launch():
         os.environ.update(launch.slurm_allocation(os.environ))  # Snakemake's SLURM job step drops the node list
         role = launch.srun_role(dict(os.environ))  # raises when srun started one copy per GPU
         multinode = role == "per-node" or launch.slurm_nodes() > 1
-        _check_devices(params.train.device, nproc, claim=not multinode)
+        on_cpu = _check_devices(params.train.device, nproc, claim=not multinode)
+        if multinode and on_cpu:  # each node's processes get the threads a one-node run would give them
+            os.environ["OMP_NUM_THREADS"] = str(launch.node_threads(dict(os.environ), nproc))
         if role == "per-node":
             raise SystemExit(launch.run_launcher(launch.node_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ),
                                                                               max_restarts=max_restarts)))
@@ -278,7 +294,8 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
     from .training.loop import train as run
 
     summary = run(params, TrainPaths(data_dir, out, live_dir, introspect_dir, checkpoint_root), restart=restart)
-    if D.is_main() and summary:
+    # RANK, not D.is_main(): the process group is gone by now, and every rank would say it is rank 0.
+    if summary and os.environ.get("RANK", "0") == "0":
         click.echo(f"trained {summary['step']} steps, final loss {summary['loss']:.4f} -> {out}")
 
 
@@ -289,10 +306,10 @@ def _claim_cpus(nproc: int = 1) -> None:
     cpu_slots.claim(nproc)
 
 
-def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: bool = True) -> None:
+def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: bool = True) -> bool:
     """On GPUs: fails when nproc is more than the visible GPUs, and (claim) takes GPUs that no
     concurrent ddpmrepro job on this machine uses (gpu_slots narrows CUDA_VISIBLE_DEVICES).
-    On CPU: (claim) takes this job's cores (cpu_slots)."""
+    On CPU: (claim) takes this job's cores (cpu_slots). True when the run is on CPU."""
     import torch
 
     from .runtime import gpu_slots
@@ -303,12 +320,13 @@ def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: 
     if device == "cpu" or (device == "auto" and have == 0):
         if claim:
             _claim_cpus(nproc)
-        return
+        return True
     if nproc > have:
         raise click.ClickException(f"{key}={nproc} processes need {nproc} GPUs but {have} are visible; "
                                    f"lower {key} or set CUDA_VISIBLE_DEVICES")
     if claim:
         gpu_slots.claim(nproc, device_count=have)
+    return False
 
 
 @main.command()

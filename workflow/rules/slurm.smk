@@ -84,8 +84,10 @@ def check_slurm_jobs():
         req = slurm.request(resources, job.threads)
         problems.append(slurm.check(st.rule, req, resources.get("slurm_partition"), cluster, stage_device(st)))
         if st.resources.get("gpu") and fitted(st.name)[1].get("gpu") == 0 and not resources.get("gpu"):
+            # req.cpus counts every task's CPUs: across nodes, one task (one torchrun) per node
+            where = f"{req.cpus} CPUs" if req.nodes == 1 else f"{req.cpus // req.nodes} CPUs on each of {req.nodes} nodes"
             print(f"{st.rule}: partition '{resources.get('slurm_partition') or cluster.default_partition}' has no GPUs: "
-                  f"its {st.resources['gpu']} process(es) run on {req.cpus} CPUs", file=sys.stderr)
+                  f"its {st.resources['gpu']} process(es) run on {where}", file=sys.stderr)
     problems = [p for p in problems if p]
     if problems:
         raise SystemExit("\n".join(f"Error: {p}" for p in problems))

@@ -4,7 +4,9 @@
 - one process: run here (no launcher needed);
 - several processes on one node: re-exec under `torchrun --standalone`;
 - a multi-node SLURM allocation: `srun torchrun` with the rendezvous taken from SLURM;
-- already started by srun once per node: this node's torchrun, same rendezvous (never srun again).
+- already started by srun once per node: this node's torchrun, same rendezvous (never srun again);
+- several nodes without SLURM (`--nnodes N --node-rank K --rdzv HOST:PORT`): this node's torchrun
+  with torchrun's static rendezvous.
 
 "torchrun" is `python -m ddpmrepro.runtime.torchrun`: torchrun whose workers die with it and whose failures
 are one line (see torchrun.py). `run_launcher` ties it to this process in turn.
@@ -27,12 +29,13 @@ def slurm_nodes() -> int:
     return int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
 
 
-LAUNCHER_OPTIONS = ("--nproc", "--max-restarts")
+LAUNCHER_OPTIONS = ("--nproc", "--max-restarts", "--nnodes", "--node-rank", "--rdzv")
 
 
 def worker_args(argv: list[str]) -> list[str]:
-    """The CLI arguments for the workers, without the launcher's `--nproc N` and `--max-restarts N`
-    (consumed by the launcher; torchrun's argparse would take them for its own options)."""
+    """The CLI arguments for the workers, without the launcher's options (`--nproc N`,
+    `--max-restarts N`, `--nnodes N`, `--node-rank K`, `--rdzv HOST:PORT`: consumed by the
+    launcher; torchrun's argparse would take some of them for its own options)."""
     out, skip = [], False
     for a in argv:
         if skip:
@@ -61,23 +64,78 @@ def torchrun_command(nproc: int, worker_args: list[str], *, max_restarts: int = 
     ]
 
 
-def srun_torchrun_command(nproc: int, worker_args: list[str], env: dict, *, port: int = 29500,
-                          max_restarts: int = 0) -> list[str]:
+def srun_torchrun_command(nproc: int, worker_args: list[str], env: dict, *, port: int | None = None,
+                          max_restarts: int = 0, scontrol: str = "scontrol") -> list[str]:
     """One torchrun per node through srun; the first node of the allocation hosts the
-    c10d rendezvous, and the job id names it so two jobs never join each other."""
+    c10d rendezvous, and the job id names it so two jobs never join each other.
+
+    `--kill-on-bad-exit=0 --wait=60`, not `--kill-on-bad-exit=1`: at a preemption (or a
+    `--signal=TERM@N` before the time limit) every node's torchrun saves and exits 130 ("stopped,
+    rerun to resume"), but a few hundred ms apart (each agent polls its workers every 0.1 s). With
+    kill-on-bad-exit=1 the first 130 made srun kill the other node's task, and srun returned 143,
+    so workflow/scripts/dvc_stage.sh saw a failure and did not requeue the job. With 0, srun waits
+    for every task and returns 130. The ranks leave the stop checkpoint through one barrier, so
+    their exits are close; `--wait=60` still ends a peer that hangs 60 s after the first task
+    ended (a crash elsewhere: gloo's own timeout would be 30 minutes)."""
     nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
-    head = first_slurm_host(env["SLURM_JOB_NODELIST"])
-    return ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+    head = node_address(first_slurm_host(env["SLURM_JOB_NODELIST"]), scontrol)
+    port = rendezvous_port(env) if port is None else port
+    return ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", f"--wait={PEER_WAIT_S}",
             *_rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restarts)]
 
 
-def node_torchrun_command(nproc: int, worker_args: list[str], env: dict, *, port: int = 29500,
-                          max_restarts: int = 0) -> list[str]:
+def node_torchrun_command(nproc: int, worker_args: list[str], env: dict, *, port: int | None = None,
+                          max_restarts: int = 0, scontrol: str = "scontrol") -> list[str]:
     """This node's torchrun when srun already started one `ddpmrepro train` per node: the
     same rendezvous as `srun_torchrun_command`, taken from the step's nodes."""
     nodes = int(env["SLURM_STEP_NUM_NODES"])
-    head = first_slurm_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+    head = node_address(first_slurm_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]), scontrol)
+    port = rendezvous_port(env, step=True) if port is None else port
     return _rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restarts)
+
+
+PEER_WAIT_S = 60  # srun --wait: how long a task may outlive the first task that ended (see srun_torchrun_command)
+PORT_BASE, PORT_SPAN = 20000, 10000  # rendezvous ports 20000-29999, below Linux's ephemeral ports (32768-)
+
+
+def rendezvous_port(env: dict, *, step: bool = False) -> int:
+    """The c10d rendezvous port of this job: the first of the step's reserved ports where SLURM
+    reserves some (`MpiParams=ports=`; only a process inside the srun step that runs the
+    torchruns, `step`, knows them), else 20000 + job id mod 10000. A fixed port (29500) let a
+    second job whose first node was the first job's join that job's store: it could not bind the
+    port and torch then silently became a client of the store that held it. Two jobs that share a
+    node now collide only if their ids differ by a multiple of 10000."""
+    if step:
+        m = re.match(r"(\d+)", env.get("SLURM_STEP_RESV_PORTS", ""))
+        if m:
+            return int(m.group(1))
+    job = env.get("SLURM_JOB_ID", "")
+    return PORT_BASE + int(job) % PORT_SPAN if job.isdigit() else 29500
+
+
+def node_address(node: str, scontrol: str = "scontrol") -> str:
+    """Where the other nodes reach `node`: its NodeAddr (`scontrol show node`), which is what SLURM
+    itself uses; a NodeName need not resolve as a hostname. The name when scontrol cannot tell."""
+    try:
+        out = subprocess.run([scontrol, "show", "node", "-o", node], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return node
+    m = re.search(r"(?:^|\s)NodeAddr=(\S+)", out)
+    return m.group(1) if m and m.group(1) != "(null)" else node
+
+
+def node_threads(env: dict, nproc: int, cores: int | None = None) -> int:
+    """Threads per process on a node of a multi-node run, by the rule of the single-node run
+    (cpu_slots.claim): the node's share, OMP_NUM_THREADS when set (Snakemake sets it to the job's
+    threads) else the CPUs SLURM gave the job on this node (SLURM_CPUS_ON_NODE) else the usable
+    cores, split over the node's nproc processes. torch's CPU results depend on the thread count,
+    so 2 nodes x 1 process equal 1 node x 2 processes only with the same threads per process."""
+    from . import cpu_slots
+
+    if cores is None:
+        cores = int(env.get("SLURM_CPUS_ON_NODE") or 0) or len(cpu_slots.usable_cores())
+    return max(1, cpu_slots.share(env, cores) // nproc)
 
 
 def _rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restarts) -> list[str]:
@@ -87,6 +145,28 @@ def _rendezvous_torchrun(nproc, worker_args, nodes, head, env, port, max_restart
         "--rdzv_backend=c10d", f"--rdzv_endpoint={head}:{port}", f"--rdzv_id={env.get('SLURM_JOB_ID', 'ddpmrepro')}",
         "-m", "ddpmrepro.cli", *worker_args,
     ]
+
+
+def static_torchrun_command(nproc: int, worker_args: list[str], nnodes: int, node_rank: int, rdzv: str, *,
+                            max_restarts: int = 0) -> list[str]:
+    """This node's torchrun in a multi-node run without SLURM, as the two-machine
+    `torch.distributed.launch --nnodes --node_rank --master_addr --master_port` recipe: every node
+    runs it with its own rank, and node 0, at HOST, hosts the rendezvous store on PORT. A static
+    rendezvous: the ranks follow the node ranks, so the same command lines give the same run."""
+    host, port = parse_rdzv(rdzv)
+    return [
+        *_restartable(max_restarts), sys.executable, "-m", "ddpmrepro.runtime.torchrun",
+        f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+        f"--master_addr={host}", f"--master_port={port}", "-m", "ddpmrepro.cli", *worker_args,
+    ]
+
+
+def parse_rdzv(value: str) -> tuple[str, int]:
+    """'HOST:PORT' -> (HOST, PORT); LaunchError (one line) otherwise."""
+    host, _, port = (value or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"--rdzv {value!r} is not HOST:PORT (e.g. node1:29400): the first node's address and a free port")
+    return host.strip("[]"), int(port)
 
 
 class LaunchError(RuntimeError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -128,7 +129,7 @@ def _exit_code(exitcode: int) -> int:
 def main(argv: list[str]) -> int:
     terminal = sys.stderr
     _remove_work_dirs_of_killed_agents()
-    work = Path(tempfile.mkdtemp(prefix=f"ddpmrepro-torchrun-{os.getpid()}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"ddpmrepro-torchrun-{os.getpid()}@{_host()}-"))
     log_path = work / "torchrun.log"
     # torchrun's own output goes to the log; the workers inherit file descriptor 2, the terminal.
     sys.stderr = open(log_path, "a", buffering=1)  # noqa: SIM115 (open for the life of the process)
@@ -193,19 +194,26 @@ def _clean(work: Path, keep_log: bool) -> None:
     shutil.rmtree(work / "errors" if keep_log else work, ignore_errors=True)
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+
+
 def _remove_work_dirs_of_killed_agents() -> None:
     """An agent that was SIGKILLed could not clean up: its directory still has `errors/` (one that
-    ended and kept its log for the user has not) and its pid, in the name, is gone."""
+    ended and kept its log for the user has not) and its pid, in the name, is gone. Only this
+    host's: a TMPDIR may be shared between nodes, and a pid says nothing about another node."""
     import shutil
 
-    for d in Path(tempfile.gettempdir()).glob("ddpmrepro-torchrun-*-*"):
+    for d in Path(tempfile.gettempdir()).glob(f"ddpmrepro-torchrun-*@{_host()}-*"):
+        m = re.fullmatch(r"ddpmrepro-torchrun-(\d+)@(.+)-[^-]+", d.name)  # mkdtemp's suffix has no '-'
+        if not m or m.group(2) != _host():
+            continue
         try:
-            pid = int(d.name.split("-")[2])
             if (d / "errors").is_dir() and d.stat().st_uid == os.getuid():
-                os.kill(pid, 0)
+                os.kill(int(m.group(1)), 0)
         except ProcessLookupError:
             shutil.rmtree(d, ignore_errors=True)
-        except (ValueError, OSError):
+        except OSError:
             continue
 
 

@@ -134,6 +134,11 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
             raise CheckpointError(f"{self.path.parent}: another process is training into this run directory; wait for it or stop it") from None
+        except OSError as e:  # no flock on this filesystem (Lustre mounted without -o flock, some NFS setups)
+            os.close(self._fd)
+            self._fd = None
+            raise CheckpointError(f"{self.path}: cannot lock it ({e.strerror}): its filesystem has no flock; use "
+                                  "--checkpoints on one that has (Lustre: mount with -o flock; see docs/CLUSTER.md)") from None
         os.ftruncate(self._fd, 0)
         os.write(self._fd, json.dumps({"pid": os.getpid()}).encode())
         return self
