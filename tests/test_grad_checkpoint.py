@@ -16,12 +16,7 @@ from ddpmrepro.model.unet import build_unet
 from ddpmrepro.training.introspect import ActivationGradRecorder
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors, one thread
 
 
 def make_model(grad_checkpoint: bool, dropout: float = 0.3):

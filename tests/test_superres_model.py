@@ -14,12 +14,7 @@ from ddpmrepro.model.unet import AttentionBlock
 oracle = pytest.importorskip("improved_diffusion_for_SMLM.improved_diffusion.unet")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors, one thread
 
 
 def to_improved_diffusion(model: torch.nn.Module) -> dict:
