@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from headless_chromium import Chromium  # noqa: E402  (scripts/ is no package)
 
 # What `snakemake --report` needs of the project (the code of this checkout) and of the run (its outputs).
-PROJECT_FILES = ["src", "dvc.yaml", "Snakefile", "workflow", "profiles", ".dvcignore", ".gitignore", "pyproject.toml"]
+PROJECT_FILES = ["src", "dvc.yaml", "Snakefile", "workflow", "profiles", ".dvcignore", ".gitignore", "pyproject.toml",
+                 "models/published"]  # a dep of the train stage (train.import_from), tracked in git
 RUN_FILES = ["params.yaml", "metrics.json", "samples", "reports"]
 
 
