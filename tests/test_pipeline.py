@@ -7,6 +7,7 @@ output is touched, and that `dvc exp show` / `dvc plots diff` / `snakemake --rep
 from __future__ import annotations
 
 import base64
+import dataclasses
 import csv
 import io
 import json
@@ -19,6 +20,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from ddpmrepro import params as P
 from project_copy import BIN, deep_update, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +76,7 @@ def test_dvc_repro_builds_every_output(repo, tiny_pipeline):
     assert detail["inception"]["status"].startswith("skipped") and "inception_fid" not in metrics
     # every params section validated and resolved (defaults filled in) by the first stage
     resolved = {p.stem: yaml.safe_load(p.read_text()) for p in (repo / "reports/params").glob("*.yaml")}
-    assert resolved["train"] == {"train": config_params(repo)["train"]} and len(resolved) == 9
+    assert resolved["train"] == {"train": config_params(repo)["train"]} and len(resolved) == len(dataclasses.fields(P.Params))
     # per-step training plots (dvclive) and the gradient tables
     loss = pd.read_csv(repo / "reports/train/live/plots/metrics/loss.tsv", sep="\t")
     assert loss["step"].tolist() == [4, 8, 12]
