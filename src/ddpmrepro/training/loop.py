@@ -189,8 +189,14 @@ def _truncate_live_history(live_dir: Path, start_step: int) -> None:
         if not lines:
             continue
         header, rows = lines[0], lines[1:]
-        col = header.split("\t").index("step")
-        kept = [r for r in rows if int(r.split("\t")[col]) <= start_step]
+        fields = header.split("\t")
+        if "step" not in fields:  # a kill tore the file's first write: it holds no complete row
+            tsv.unlink()
+            continue
+        col = fields.index("step")
+        # A kill mid-append can leave a torn last row: keep only whole rows.
+        kept = [r for r in rows if len(r.split("\t")) == len(fields) and r.split("\t")[col].isdigit()
+                and int(r.split("\t")[col]) <= start_step]
         tsv.write_text("\n".join([header, *kept]) + "\n")
 
 
