@@ -88,16 +88,16 @@ def final_state(run_dir: Path) -> dict:
     return {"step": state["step"], "weights": weights, "emas": emas, "sampler": state["sampler"]}
 
 
-def assert_same(a: dict, b: dict, exact: bool) -> None:
+def assert_same(a: dict, b: dict, exact: bool, skip: frozenset = frozenset()) -> None:
     def same(x, y):
         return torch.equal(x, y) if exact else torch.allclose(x, y, rtol=1e-3, atol=5e-4)
 
     assert a["step"] == b["step"]
     for k in a["weights"]:
-        assert same(a["weights"][k], b["weights"][k]), k
+        assert k in skip or same(a["weights"][k], b["weights"][k]), k
     for r in a["emas"]:
         for k in a["emas"][r]:
-            assert same(a["emas"][r][k], b["emas"][r][k]), (r, k)
+            assert k in skip or same(a["emas"][r][k], b["emas"][r][k]), (r, k)
     for k in a["sampler"]:
         assert same(a["sampler"][k].double(), b["sampler"][k].double()), k
 
@@ -126,9 +126,19 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path, prepared):
         assert ((a_step - b_step) ** 2).sum() ** 0.5 < 1e-2 * (a_step**2).sum() ** 0.5, step
     # Weights, EMAs and the importance sampler's history agree at float tolerance (Adam
     # amplifies rounding differences a little over 16 steps).
+    # Except where the true gradient is exactly zero: a conv bias followed by a GroupNorm with one
+    # channel per group (16 channels, 32 groups asked) is removed by that norm. There the gradient
+    # is rounding noise (1e-11..1e-8 against a total norm near 1), different in each run, and Adam,
+    # being scale-free, turns any noise into steps of size lr: those weights cannot agree.
+    total = ga["grad_norm"].pow(2).groupby(level="step").sum().pow(0.5)
+    rel_a = ga["grad_norm"].div(total, level="step").groupby(level="name").max()
+    rel_b = gb["grad_norm"].div(total, level="step").groupby(level="name").max()
+    zero_grad = frozenset(rel_a.index[rel_a < 1e-6])
+    assert set(rel_b.index[rel_b < 1e-6]) == zero_grad  # the same parameters in both runs
+    assert zero_grad and all(k.endswith(".bias") for k in zero_grad) and len(zero_grad) < 0.1 * len(rel_a)
     a, b = final_state(tmp_path / "one"), final_state(tmp_path / "two")
     assert bool((a["sampler"]["loss_counts"] == 10).all())  # left its uniform phase
-    assert_same(a, b, exact=False)
+    assert_same(a, b, exact=False, skip=zero_grad)
     # and the runs did move the weights (the output conv starts at zero)
     assert any(v.abs().sum() > 0 for k, v in a["weights"].items() if k.startswith("out."))
 
