@@ -489,3 +489,54 @@ def test_a_class_conditional_improved_diffusion_import_refuses_guidance(small_id
                "--data", str(root / "data")).exit_code == 0
     result = cli("sample", "--model", "model", "--out", "samples")
     assert result.exit_code == 2 and "sample.guidance" in result.stderr and not (tmp_path / "samples").exists()
+
+
+@pytest.mark.slow
+def test_a_published_model_goes_through_dvc_repro_to_metrics_json(small_id, tmp_path):
+    """The documented sequence (docs/MODELS.md) in a real git + DVC repo: `dvc add` the downloaded
+    file, set train.import_from, `dvc repro`. Everything runs; nothing is trained; DVC tracks the
+    checkpoint, so replacing it reruns the import and everything after it."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from project_copy import deep_update, run, tiny_project
+
+    _, theirs, pt = small_id
+    repo = tiny_project(tmp_path / "repo")
+    shutil.copy2(pt, repo / "models" / "published" / pt.name)
+    run(repo, "dvc", "add", f"models/published/{pt.name}")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    # SMALL_ID's network with 200 steps instead of 4000 (bits/dim runs T passes per image); their
+    # network takes any t: rescale_timesteps feeds it t * 1000 / 200.
+    deep_update(params, {**SMALL_ID, "diffusion": {**SMALL_ID["diffusion"], "timesteps": 200},
+                         "sample": {"ema_rate": 0.9999, "respacing": "ddim5", "per_class": 3},
+                         "train": {"import_from": f"models/published/{pt.name}", "ema_rates": [0.9999]}})
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(repo, "git", "add", "-A")
+    run(repo, "git", "commit", "-qm", "evaluate a published model")
+    out = run(repo, "dvc", "repro").stdout
+    assert "training skipped" in out
+
+    weights = load_file(repo / "models/ddpm/ema_0.9999.safetensors")
+    expected = ID.to_ours(theirs.state_dict(), build_unet(P.from_dict(SMALL_ID).model, image_size=8, in_channels=1,
+                                                          num_classes=10, learn_sigma=True), source="x")
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], v) for k, v in expected.items())
+    metrics = json.loads((repo / "metrics.json").read_text())
+    assert metrics["class_acc"] is None  # unconditional: not applicable, not 0
+    for key in ("fid", "precision", "recall", "bpd"):
+        assert isinstance(metrics[key], float) and metrics[key] == metrics[key], key  # a number, not NaN
+    assert sorted(p.name for p in (repo / "reports/figures").iterdir()) == ["IMPORTED.txt"]
+    assert json.loads((repo / "reports/train/live/metrics.json").read_text()) == {}
+
+    # DVC tracks the checkpoint: the same file is up to date, another file reruns the import.
+    assert "up to date" in run(repo, "dvc", "status").stdout
+    other = randomise(improved.UNetModel(1, 32, 2, 1, (2,), channel_mult=(1, 2), num_heads=2,
+                                         use_scale_shift_norm=True), seed=4)
+    torch.save(other.state_dict(), repo / "models" / "published" / pt.name)
+    run(repo, "dvc", "add", f"models/published/{pt.name}")
+    status = run(repo, "dvc", "status").stdout
+    assert "train:" in status and "models/published" in status, status
+    run(repo, "dvc", "repro", "train")
+    assert not torch.equal(load_file(repo / "models/ddpm/ema_0.9999.safetensors")["out.2.weight"],
+                           weights["out.2.weight"])

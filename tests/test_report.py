@@ -121,3 +121,15 @@ def test_introspection_turned_off_still_draws_the_training_curves(tmp_path, capl
         paths = make_report(tmp_path / "introspect", tmp_path / "live", tmp_path / "figs", ReportParams(top_k=3))
     assert [p.name for p in paths] == ["training_curves.png"]
     assert "no steps recorded" in caplog.text
+
+
+def test_an_imported_model_gets_a_note_instead_of_figures(tmp_path):
+    """train.import_from: nothing was trained, so no figure is drawn (and none from an earlier
+    trained model stays); the note names the source. The training inputs are not even read."""
+    out = tmp_path / "figures"
+    out.mkdir()
+    (out / "training_curves.png").write_bytes(b"from a trained model before")
+    written = make_report(tmp_path / "no-introspect", tmp_path / "no-live", out, ReportParams(),
+                          imported_from="models/published/ema_0.9999_500000.pt")
+    assert written == [] and [p.name for p in out.iterdir()] == ["IMPORTED.txt"]
+    assert "models/published/ema_0.9999_500000.pt" in (out / "IMPORTED.txt").read_text()

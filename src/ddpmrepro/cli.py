@@ -469,15 +469,20 @@ def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -
     """Draw the gradient and training figures.
 
     \b
-    Reads:  params `report.*`; INTROSPECT tables, LIVE metrics.
+    Reads:  params `report.*`, `train.import_from`; INTROSPECT tables, LIVE metrics.
     Writes: OUT/*.png (grad-norm heatmaps for parameters and activations, top-k layer
             lines, total norm vs clip threshold, loss curves).
-    Fails, writing nothing, when INTROSPECT or LIVE is missing or holds no rows.
+    Fails, writing nothing, when INTROSPECT or LIVE is missing or holds no rows. Under
+    train.import_from (an imported model) writes only OUT/IMPORTED.txt: nothing was trained.
     """
     from .evaluation.report import make_report
 
-    paths = make_report(introspect_dir, live_dir, out, _load_params(params_path).report)
-    click.echo(f"wrote {len(paths)} figures -> {out}")
+    params = _load_params(params_path)
+    paths = make_report(introspect_dir, live_dir, out, params.report, imported_from=params.train.import_from)
+    if params.train.import_from:
+        click.echo(f"no training figures: the model is imported from {params.train.import_from} -> {out}/IMPORTED.txt")
+    else:
+        click.echo(f"wrote {len(paths)} figures -> {out}")
 
 
 @main.command("import")

@@ -181,12 +181,24 @@ def _require_dir(path: Path, what: str, option: str) -> None:
         raise ReportInputError(f"{path}: not a directory; {option} takes the {what} directory that train writes")
 
 
-def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str | Path, params: ReportParams) -> list[Path]:
+def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str | Path, params: ReportParams,
+                imported_from: str = "") -> list[Path]:
     """Draws the figures into `out_dir` and returns their paths.
 
     Raises `ReportInputError` before writing anything when either input directory is missing or
-    holds nothing to draw: a report of zero figures would look like success.
+    holds nothing to draw: a report of zero figures would look like success. The exception is a
+    model imported instead of trained (`imported_from`, train.import_from): there is no training
+    to draw, so `out_dir` gets only IMPORTED.txt saying so, and no figures.
     """
+    if imported_from:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob("*.png"):  # from a trained model that was here before
+            stale.unlink()
+        note = out / "IMPORTED.txt"
+        note.write_text(f"The model was imported from {imported_from} (train.import_from), not trained here:\n"
+                        "there are no loss curves or gradient tables to draw. metrics.json has its evaluation.\n")
+        return []
     introspect_dir, live_dir = Path(introspect_dir), Path(live_dir)
     _require_dir(introspect_dir, "introspection", "--introspect")
     _require_dir(live_dir, "dvclive", "--live")
