@@ -265,6 +265,22 @@ def test_google_ddpm_cifar10_layout_imports_exactly_with_the_three_ddpm_switches
         assert rel(plain(x, T_PROBE), expected) > 0.05
 
 
+def test_the_published_ddpm_config_builds_google_ddpm_cifar10_32s_network_and_diffusion():
+    """configs/ddpm-cifar10-published.yaml says in params what the diffusers folder's configs say,
+    so the params a user reads are the ones the imported model runs with."""
+    from ddpmrepro.model.unet import PRESETS, SHARED_DEFAULTS
+
+    p = P.load(Path(__file__).resolve().parents[1] / "configs" / "ddpm-cifar10-published.yaml")
+    assert (p.train.import_from, p.train.import_format) == ("models/published/ddpm-cifar10-32", "diffusers")
+    theirs = DF.model_keys(GOOGLE_DDPM_CIFAR10, source="config.json")
+    ours = {**SHARED_DEFAULTS, **PRESETS[p.model.preset], **p.model.overrides(), "class_cond": p.model.class_cond}
+    differing = {k: (ours.get(k), v) for k, v in theirs.items() if ours.get(k) != v}
+    assert differing == {"dropout": (0.1, 0.0)}  # a training setting; config.json's dropout is not the paper's
+    for key, value in DF.diffusion_keys(GOOGLE_SCHEDULER, source="s").items():
+        assert getattr(p.diffusion, key) == value, key
+    assert (p.sample.sampler, p.sample.respacing, p.sample.per_class * 10) == ("ddpm", "", 50_000)  # the paper's FID
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, one_thread) -> Path:
     """A class-conditional tiny model directory (random weights) imported from a diffusers folder."""

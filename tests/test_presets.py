@@ -30,9 +30,9 @@ def global_batch(t: P.TrainParams) -> int:
     return t.batch_per_proc * t.nproc * t.grad_accum
 
 
-def test_there_are_the_three_presets_and_the_published_iddpm_model():
-    assert [c.name for c in CONFIGS] == ["ddpm-cifar10.yaml", "iddpm-cifar10-published.yaml", "iddpm-cifar10.yaml",
-                                         "mnist.yaml"]
+def test_there_are_the_three_presets_and_two_published_models():
+    assert [c.name for c in CONFIGS] == ["ddpm-cifar10-published.yaml", "ddpm-cifar10.yaml",
+                                         "iddpm-cifar10-published.yaml", "iddpm-cifar10.yaml", "mnist.yaml"]
 
 
 def test_the_published_iddpm_config_describes_cifar10_uncond_50M_500K():
