@@ -183,3 +183,44 @@ def test_the_cascade_pipeline_names_real_commands_options_and_params():
         args = args[args.index("ddpmrepro.cli") + 1:]
         result = CliRunner().invoke(main, [*args, "--help"])
         assert result.exit_code == 0, (name, result.output)
+
+
+@pytest.mark.slow
+def test_the_cascade_runs_as_snakemake_jobs_that_dvc_records(tmp_path):
+    """`cd cascade && snakemake --cores 2` on shrunk settings, in a fresh git repo: every stage runs
+    as a job through `dvc repro --single-item`, both metrics files get the model's and bicubic's
+    numbers, DVC then finds everything up to date, and a second Snakemake has nothing to do."""
+    import shutil
+    import subprocess
+
+    from project_copy import BIN, copy_project, deep_update, run
+
+    repo = copy_project(tmp_path / "repo")
+    source = Path(__file__).resolve().parents[1] / "cascade"
+    # The folder's own files only: not the outputs or the DVC cache of a cascade run in this checkout.
+    shutil.copytree(source, repo / "cascade", ignore=lambda d, names: [
+        n for n in names if Path(d) == source and n not in {".dvc", ".dvcignore", "dvc.yaml", "Snakefile",
+                                                            "base.yaml", "upsampler.yaml"}
+    ] + [n for n in names if Path(d) == source / ".dvc" and n in {"cache", "tmp"}])
+    small = {"model": {"channels": 16, "num_head_channels": 16, "attention_resolutions": []},
+             "diffusion": {"timesteps": 20},
+             "train": {"steps": 3, "batch_per_proc": 8, "warmup_steps": 1, "checkpoint_every": 3, "log_every": 1},
+             "sample": {"per_class": 1, "respacing": "ddim3", "batch_size": 64},
+             "evaluator": {"epochs": 1}}
+    for name in ("base.yaml", "upsampler.yaml"):
+        path = repo / "cascade" / name
+        path.write_text(yaml.safe_dump(deep_update(yaml.safe_load(path.read_text()), small), sort_keys=False))
+    run(repo, "git", "init", "-q", "-b", "main")
+    run(repo, "git", "add", "-A")
+    run(repo, "git", "commit", "-qm", "the cascade, shrunk")
+    cascade = repo / "cascade"
+    out = run(cascade, str(Path(BIN) / "snakemake"), "--cores", "2").stderr
+    for stage in yaml.safe_load((cascade / "dvc.yaml").read_text())["stages"]:
+        assert f"rule {stage}:" in out, stage
+    for name in ("metrics_test.json", "metrics_cascade.json"):
+        metrics = json.loads((cascade / name).read_text())
+        for key in ("fid", "consistency_mae"):
+            assert isinstance(metrics[f"sr_{key}"], float) and isinstance(metrics[f"bicubic_{key}"], float), name
+    assert "sr_psnr" in json.loads((cascade / "metrics_test.json").read_text())
+    assert "up to date" in run(cascade, "dvc", "status").stdout
+    assert "Nothing to be done" in run(cascade, str(Path(BIN) / "snakemake"), "--cores", "2").stderr

@@ -13,6 +13,9 @@ from pathlib import Path
 from ddpmrepro.pipeline.dvc_bridge import expand_source_dir, load_stages, stages_to_run
 
 STAGES = load_stages(".")
+# The job's script, from the working directory: the project root, or cascade/ for the cascade's Snakefile.
+DVC_STAGE_SCRIPT = os.path.relpath(
+    Path(workflow.current_basedir.get_path_or_uri(secret_free=True)).parent / "scripts" / "dvc_stage.sh")
 PRODUCED = {o.path for st in STAGES for o in st.outs}
 STAMP_DIR = Path(".snakemake/dvc-stamps")  # inside .snakemake/: git- and dvc-ignored
 
@@ -116,4 +119,4 @@ for st in STAGES:
         shell:
             # dvc --wait-for-lock repro --single-item STAGE > LOG; on SLURM it also waits through
             # SIGTERM for a training to checkpoint and requeues the job to resume
-            "bash workflow/scripts/dvc_stage.sh {params.stage:q} {log:q}"
+            f"bash {DVC_STAGE_SCRIPT} {{params.stage:q}} {{log:q}}"
