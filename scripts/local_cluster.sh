@@ -39,7 +39,8 @@ NET=10.213.0                    # ctl 10.213.0.1, nodeK 10.213.0.(10+K)
 CTLD_PORT=7817 SLURMD_PORT=7818  # not the one-node cluster's 6817/6818 (not that they could meet)
 DBD_PORT=7819 DB_PORT=3317      # slurmdbd on ctl's address; MariaDB on ctl's loopback only
 ACCOUNT=ddpmrepro               # the account the tests and docs/CLUSTER.md's recipe pass
-CPUS=${LOCAL_CLUSTER_CPUS:-$(nproc)}
+# Not plain nproc: it honours OMP_NUM_THREADS, and `OMP_NUM_THREADS=1 ... up 2` made 1-CPU nodes.
+CPUS=${LOCAL_CLUSTER_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 MEM_MB=${LOCAL_CLUSTER_MEM_MB:-4000}
 PACKAGES=(slurmctld slurmd slurm-client munge)
 ACCT_PACKAGES=(slurmdbd mariadb-server)
@@ -210,11 +211,12 @@ start_accounting() {  # MariaDB, then slurmdbd, in ctl; the cluster, account and
   fi
   if ! alive "$DIR/db/mariadb.pid"; then
     # In ctl: TCP on ctl's own loopback (slurmdbd's way in), the socket a file under $DIR (ours).
+    # The default 128 MB buffer pool: slurmdbd logs one "not recommended" line, moot for a test.
     # nsenter as a simple command, not `on`: the background job is then mariadbd itself, not a
     # shell waiting for it.
     nsenter -t "$(holder_pid ctl)" --net --uts --mount --wdns=/ -- setsid mariadbd --no-defaults --user=mysql --datadir="$DIR/db/data" --socket="$DIR/db/mariadb.sock" \
       --bind-address=127.0.0.1 --port=$DB_PORT --skip-name-resolve --pid-file="$DIR/db/mariadb.pid" \
-      --log-error="$DIR/db/mariadb.log" --innodb-buffer-pool-size=64M </dev/null >/dev/null 2>&1 &
+      --log-error="$DIR/db/mariadb.log" --innodb-lock-wait-timeout=900 </dev/null >/dev/null 2>&1 &
   fi
   until sql -e 'SELECT 1' >/dev/null 2>&1; do
     sleep 1; t=$((t + 1))
@@ -252,7 +254,8 @@ cmd_up() {
   install $acct
   if [ -f "$DIR/nodes" ]; then
     was=$(accounting && echo 1 || echo 0)
-    if [ "$(cat "$DIR/nodes")" = "$n" ] && [ "$was" = $acct ] && cmd_status >/dev/null 2>&1; then
+    if [ "$(cat "$DIR/nodes")" = "$n" ] && [ "$was" = $acct ] && grep -q " CPUs=$CPUS RealMemory=$MEM_MB " "$DIR/etc/slurm.conf" \
+       && cmd_status >/dev/null 2>&1; then
       echo "the cluster is up with $n nodes$([ $acct = 1 ] && echo ', accounting on')"
       on ctl sinfo -o "%P %a %D %T %c %m %N"; return
     fi
