@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -260,6 +261,12 @@ def test_the_snakemake_profile_with_sacct_as_status_source(accounting, repo, ref
     """The same recipe with the plugin's default status check, `sacct`, instead of the profile's
     squeue: on a cluster with accounting (slurmdbd) the Snakefile lets it through, Snakemake sees
     the job end, and sacct holds the job, its account and its steps."""
+    status = subprocess.run([SCRIPT, "status"], capture_output=True, text=True).stdout
+    assert re.search(r"^mariadb: running", status, re.M) and re.search(r"^slurmdbd: running", status, re.M), status
+    # MariaDB listens on ctl's loopback only: in ctl's network namespace, not this machine's.
+    assert re.search(r"127\.0\.0\.1:3317\s", on("ctl", "ss", "-ltnH", repo=repo).stdout)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", 3317), timeout=5).close()
     # What the Snakefile reads to refuse sacct without accounting, read as it reads it, on ctl.
     probe = "from ddpmrepro.pipeline import slurm; c = slurm.read_cluster(); print(c.accounting, c.min_job_age_s)"
     assert on("ctl", sys.executable, "-c", probe, repo=repo).stdout.split() == ["True", "3600"]
