@@ -291,12 +291,15 @@ def test_the_snakemake_profile_with_sacct_as_status_source(accounting, repo, ref
     assert "'squeue' should work reliably for status queries" in out and "using 'squeue'" not in out, out[-3000:]
     job = re.search(r"SLURM jobid (\d+) \(log: \S*/rule_train/", out).group(1)
     rows = [line.split("|") for line in on("ctl", "sacct", "-j", job, "-n", "-P", "-o",
-                                           "JobID,Account,State,NodeList,ExitCode", repo=repo).stdout.splitlines()]
+                                           "JobID,Account,State,NodeList,ExitCode,MaxRSS", repo=repo).stdout.splitlines()]
     by_id = {r[0]: r[1:] for r in rows}
-    assert by_id[job] == ["ddpmrepro", "COMPLETED", "node[1-2]", "0:0"], rows
-    # the batch script's step, and the training's srun step across both nodes
+    assert by_id[job][:4] == ["ddpmrepro", "COMPLETED", "node[1-2]", "0:0"], rows
+    # the batch script's step, and the training's srun step across both nodes, its memory measured
+    # (jobacct_gather/linux)
     assert by_id[f"{job}.batch"][1] == "COMPLETED", rows
-    assert any(k.split(".")[-1].isdigit() and v[1:3] == ["COMPLETED", "node[1-2]"] for k, v in by_id.items()), rows
+    steps = [v for k, v in by_id.items()
+             if k.startswith(f"{job}.") and k.split(".")[-1].isdigit() and v[1:3] == ["COMPLETED", "node[1-2]"]]
+    assert steps and re.fullmatch(r"[1-9]\d*K", steps[0][4]), rows
     log = (repo / "logs/dvc/train.log").read_text()
     assert len(re.findall(r"^trained 12 steps", log, re.M)) == 1, log[-3000:]
     assert_bitwise_equal(repo / "models/ddpm", reference)
