@@ -214,8 +214,8 @@ start_accounting() {  # MariaDB, then slurmdbd, in ctl; the cluster, account and
     # The default 128 MB buffer pool: slurmdbd logs one "not recommended" line, moot for a test.
     # nsenter as a simple command, not `on`: the background job is then mariadbd itself, not a
     # shell waiting for it.
-    nsenter -t "$(holder_pid ctl)" --net --uts --mount --wdns=/ -- setsid mariadbd --no-defaults --user=mysql --datadir="$DIR/db/data" --socket="$DIR/db/mariadb.sock" \
-      --bind-address=127.0.0.1 --port=$DB_PORT --skip-name-resolve --pid-file="$DIR/db/mariadb.pid" \
+    nsenter -t "$(holder_pid ctl)" --net --uts --mount --wdns=/ -- setsid mariadbd --no-defaults --user=mysql \
+      --datadir="$DIR/db/data" --socket="$DIR/db/mariadb.sock" --bind-address=127.0.0.1 --port=$DB_PORT --skip-name-resolve --pid-file="$DIR/db/mariadb.pid" \
       --log-error="$DIR/db/mariadb.log" --innodb-lock-wait-timeout=900 </dev/null >/dev/null 2>&1 &
   fi
   until sql -e 'SELECT 1' >/dev/null 2>&1; do
