@@ -13,12 +13,15 @@ torchrun across the hosts over gloo/TCP, a temporary git + DVC repo on tiny para
   resumes from the last checkpoint and ends bitwise equal;
 - docs/CLUSTER.md's Snakemake recipe for 2 nodes (`train:nodes=2 ... --set-threads train=1`),
   typed on the controller host, runs one 2-node job and ends bitwise equal;
+- with accounting (`up 2 --accounting`: slurmdbd + MariaDB), the same recipe with the plugin's
+  default `sacct` status check passes the Snakefile's check, ends bitwise equal, and `sacct`
+  lists the job COMPLETED under account ddpmrepro with its steps (skipped without accounting);
 - without SLURM, `ddpmrepro train --nnodes 2 --node-rank K --rdzv node1:PORT` on node1 and node2
   equals 1 node x 2 processes bitwise.
 
 The reference for all of them is one run of 1 node x 2 processes outside SLURM (torchrun gives
 each of them one thread). Skipped, with the reason, where the cluster is not up: it needs root,
-so the tests do not start it (`sudo scripts/local_cluster.sh up 2`; .ci/run does).
+so the tests do not start it (`sudo scripts/local_cluster.sh up 2 --accounting`; .ci/run does).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -234,6 +238,68 @@ def test_the_snakemake_profile_trains_on_two_nodes(repo, reference):
     assert (info["JobState"], info["NumNodes"], info["NodeList"]) == ("COMPLETED", "2", "node[1-2]"), info
     per_node = int(info["NumCPUs"]) // 2
     assert f"train: partition 'debug' has no GPUs: its 1 process(es) run on {per_node} CPUs on each of 2 nodes" in out
+    log = (repo / "logs/dvc/train.log").read_text()
+    assert len(re.findall(r"^trained 12 steps", log, re.M)) == 1, log[-3000:]
+    assert_bitwise_equal(repo / "models/ddpm", reference)
+
+
+@pytest.fixture(scope="module")
+def accounting() -> None:
+    """Skips, before any fixture trains, where the cluster keeps no accounting (sacct knows no job)."""
+    reason = why_no_cluster()
+    if not reason:
+        config = subprocess.run([SCRIPT, "exec", "ctl", "scontrol", "show", "config"], cwd="/", capture_output=True,
+                                text=True, check=True).stdout
+        storage = re.search(r"^AccountingStorageType\s*=\s*(\S+)", config, re.M).group(1)
+        if storage.endswith("/none"):
+            reason = f"the cluster keeps no accounting ({storage}): `sudo scripts/local_cluster.sh up 2 --accounting`"
+    if reason:
+        pytest.skip(reason)
+
+
+def test_the_snakemake_profile_with_sacct_as_status_source(accounting, repo, reference):
+    """The same recipe with the plugin's default status check, `sacct`, instead of the profile's
+    squeue: on a cluster with accounting (slurmdbd) the Snakefile lets it through, Snakemake sees
+    the job end, and sacct holds the job, its account and its steps."""
+    status = subprocess.run([SCRIPT, "status"], capture_output=True, text=True).stdout
+    assert re.search(r"^mariadb: running", status, re.M) and re.search(r"^slurmdbd: running", status, re.M), status
+    # MariaDB listens on ctl's loopback only: in ctl's network namespace, not this machine's.
+    assert re.search(r"127\.0\.0\.1:3317\s", on("ctl", "ss", "-ltnH", repo=repo).stdout)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", 3317), timeout=5).close()
+    # What the Snakefile reads to refuse sacct without accounting, read as it reads it, on ctl.
+    probe = "from ddpmrepro.pipeline import slurm; c = slurm.read_cluster(); print(c.accounting, c.min_job_age_s)"
+    assert on("ctl", sys.executable, "-c", probe, repo=repo).stdout.split() == ["True", "3600"]
+    # The profile test ran this stage already: a param that changes no weight makes DVC run it again,
+    # and its checkpoints (the same run for them) must not be resumed.
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["checkpoint_every"] = 6
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.rmtree(repo / "checkpoints", ignore_errors=True)
+    (repo / "logs/dvc/train.log").unlink(missing_ok=True)
+    try:
+        proc = on("ctl", "snakemake", "train", "--workflow-profile", "profiles/slurm", "--slurm-status-command", "sacct",
+                  "--default-resources", "slurm_account=ddpmrepro", "slurm_partition=debug", "--set-resources",
+                  "train:nodes=2", "train:tasks=2", "train:mpi=srun", "train:gpu=0", "train:tasks_per_gpu=0",
+                  "--set-threads", "train=1", repo=repo, timeout=900)
+    finally:
+        params["train"]["checkpoint_every"] = TRAIN["checkpoint_every"]
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = proc.stdout + proc.stderr
+    assert "keeps no accounting" not in out and "Error:" not in out, out[-3000:]
+    # The plugin took sacct (it warns that squeue would do, as MinJobAge is long) and did not fall back.
+    assert "'squeue' should work reliably for status queries" in out and "using 'squeue'" not in out, out[-3000:]
+    job = re.search(r"SLURM jobid (\d+) \(log: \S*/rule_train/", out).group(1)
+    rows = [line.split("|") for line in on("ctl", "sacct", "-j", job, "-n", "-P", "-o",
+                                           "JobID,Account,State,NodeList,ExitCode,MaxRSS", repo=repo).stdout.splitlines()]
+    by_id = {r[0]: r[1:] for r in rows}
+    assert by_id[job][:4] == ["ddpmrepro", "COMPLETED", "node[1-2]", "0:0"], rows
+    # the batch script's step, and the training's srun step across both nodes, its memory measured
+    # (jobacct_gather/linux)
+    assert by_id[f"{job}.batch"][1] == "COMPLETED", rows
+    steps = [v for k, v in by_id.items()
+             if k.startswith(f"{job}.") and k.split(".")[-1].isdigit() and v[1:3] == ["COMPLETED", "node[1-2]"]]
+    assert steps and re.fullmatch(r"[1-9]\d*K", steps[0][4]), rows
     log = (repo / "logs/dvc/train.log").read_text()
     assert len(re.findall(r"^trained 12 steps", log, re.M)) == 1, log[-3000:]
     assert_bitwise_equal(repo / "models/ddpm", reference)
