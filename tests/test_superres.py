@@ -100,6 +100,25 @@ def test_an_upsampler_samples_the_test_split_reproducibly_and_is_scored_beside_b
     assert head["sr_psnr"] == pytest.approx(psnr(s["images"], truth))
 
 
+@pytest.mark.parametrize("sampler, calls", [("ddim", 5), ("ddpm", 5), ("dpmpp_2m", 3), ("heun", 5)])
+def test_the_upsampler_samples_with_the_sampler_of_sample_sampler(trained, tmp_path, monkeypatch, sampler, calls):
+    """sample.sampler picks the solver (a fast one uses sample.nfe, ddpm/ddim sample.respacing), as
+    for a base model: the network is called that many times per batch (w = 0.5 doubles the batch,
+    not the calls), and the images stay reproducible per image."""
+    from ddpmrepro.model.superres import SuperResUNet
+
+    raw = yaml.safe_load((trained / "params.yaml").read_text())
+    raw["sample"].update(sampler=sampler, respacing="ddim5", nfe=3 if sampler == "dpmpp_2m" else 5,
+                         spacing="logsnr" if sampler != "heun" else "karras", batch_size=64)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
+    seen = []
+    forward = SuperResUNet.forward
+    monkeypatch.setattr(SuperResUNet, "forward", lambda self, x, *a, **k: seen.append(len(x)) or forward(self, x, *a, **k))
+    cli("sample-superres", "--params", str(tmp_path / "p.yaml"), "--model", str(trained / "model"),
+        "--data", str(trained / "data"), "--out", str(tmp_path / "s"))
+    assert seen == [40] * calls  # 20 images, guided: one doubled batch per call
+
+
 @pytest.mark.slow
 def test_the_cascade_upsamples_a_base_runs_samples(trained, tmp_path):
     g = np.random.default_rng(0)

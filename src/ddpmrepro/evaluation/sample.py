@@ -71,15 +71,19 @@ def generate(model, diffusion, labels: torch.Tensor, seeds: list[int], p: Sample
         model_fn.device = torch.device(device)
     else:
         model_fn = guided_model_fn(model, labels.to(device), p.guidance, num_classes)
+    return to_uint8(run_sampler(diffusion, model_fn, (len(labels), *shape), gens, p, device, progress).cpu())
+
+
+def run_sampler(diffusion, model_fn, shape, gens: list[torch.Generator], p: SampleParams, device,
+                progress=None) -> torch.Tensor:
+    """x_0 in [-1, 1] from `model_fn(x, t)` with `sample.sampler`: `diffusion` as `process` made it."""
     if p.sampler in samplers.SAMPLERS:
-        x = diffusion.sample(model_fn, (len(labels), *shape), generators=gens, progress=progress, device=device)
-        return to_uint8(x.cpu())
+        return diffusion.sample(model_fn, shape, generators=gens, progress=progress, device=device)
     run = diffusion.ddim_sample if p.sampler == "ddim" else diffusion.ddpm_sample
     kwargs = {"eta": p.eta} if p.sampler == "ddim" else {}
     if p.thresholding != "static":  # only passed when not the default, so ddpm/ddim run exactly as before
         kwargs["clip_denoised"] = False
-    x = run(model_fn, (len(labels), *shape), generators=gens, progress=progress, device=device, **kwargs)
-    return to_uint8(x.cpu())
+    return run(model_fn, shape, generators=gens, progress=progress, device=device, **kwargs)
 
 
 def process(trained_diffusion, p: SampleParams, model_dir: Path):

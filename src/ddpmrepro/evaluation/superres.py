@@ -27,11 +27,10 @@ import torch.nn.functional as F
 
 from .. import files
 from ..data import load_prepared, to_model_range, to_uint8
-from ..model.diffusion import from_params as diffusion_from_params
 from ..model.diffusion import guided_model_fn
 from ..model.superres import augment, bicubic_upsample, downsample
 from ..params import Params, ParamsError
-from .sample import image_seed, load_model, save_grid
+from .sample import image_seed, load_model, process, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).
@@ -84,15 +83,17 @@ def upsample(model, diffusion, low_uint8: torch.Tensor, labels: torch.Tensor, se
         cond["aug_level"] = levels.to(device)
     cond["low_res"] = low.to(device)
 
-    def net(x, t, y):  # guidance doubles the batch: the conditioning goes twice
+    def net(x, t, y=None):  # guidance doubles the batch: the conditioning goes twice
         reps = x.shape[0] // len(labels)
         return model(x, t, y, **{k: torch.cat([v] * reps) for k, v in cond.items()})
 
-    model_fn = guided_model_fn(net, labels.to(device), p.guidance, num_classes)
-    run = diffusion.ddim_sample if p.sampler == "ddim" else diffusion.ddpm_sample
-    kwargs = {"eta": p.eta} if p.sampler == "ddim" else {}
-    x = run(model_fn, (len(labels), *shape), generators=gens, device=device, **kwargs)
-    return to_uint8(x.cpu())
+    if model.label_embed is None:  # unconditional: nothing to guide
+        def model_fn(x, t):
+            return net(x, t)
+        model_fn.device = torch.device(device)
+    else:
+        model_fn = guided_model_fn(net, labels.to(device), p.guidance, num_classes)
+    return to_uint8(run_sampler(diffusion, model_fn, (len(labels), *shape), gens, p, device).cpu())
 
 
 def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Path | None = None) -> Path:
@@ -108,11 +109,7 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
     if level > trained.superres.noise_aug:
         raise ParamsError(f"superres.sample_noise_aug: {level} is above the noise_aug the model in {model_dir} was "
                           f"trained with ({trained.superres.noise_aug}); lower it")
-    try:
-        diffusion = diffusion_from_params(trained.diffusion, respacing=params.sample.respacing)
-    except ValueError as e:
-        raise ValueError(f"sample.respacing: {e} (the model in {model_dir} has {trained.diffusion.timesteps} "
-                         "timesteps)") from None
+    diffusion, _ = process(trained.diffusion, params.sample, model_dir)  # any sampler of sample.sampler
     data = config["data"]
     shape = (data["channels"], data["image_size"], data["image_size"])
     inputs = low_res_inputs(params, side, data["image_size"], data_dir)
