@@ -35,7 +35,7 @@ test-fast: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow"
 
 lock:
-	$(BIN)/pip freeze --exclude-editable | { echo "# Pinned versions for reproducible installs: \`pip install -c requirements.lock -e .[dev]\`."; echo "# Regenerate with \`make lock\` after changing dependencies in pyproject.toml."; cat; } > requirements.lock
+	$(BIN)/pip freeze --exclude-editable | grep -v "^ddpmrepro[=@ ]" | { echo "# Pinned versions for reproducible installs: \`pip install -c requirements.lock -e .[dev]\`."; echo "# Regenerate with \`make lock\` after changing dependencies in pyproject.toml."; cat; } > requirements.lock
 
 clean:
 	rm -rf .snakemake logs checkpoints
