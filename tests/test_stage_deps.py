@@ -99,3 +99,21 @@ def test_train_code_version_covers_exactly_the_train_stage_code():
 
     code = {d.removeprefix("src/ddpmrepro/") for d in code_deps("train")}
     assert code == set(TRAIN_CODE)
+
+
+@pytest.mark.parametrize("params_file", ["params.yaml", *sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))])
+def test_every_dvc_param_key_is_in_params_yaml_and_each_config(params_file):
+    """DVC reads a stage's `params:` keys from the file itself (not our defaults) and stops the
+    repro when one is missing ("Parameters 'train.import_from' are missing"). The configs/ files
+    are copied over params.yaml as they are, so they must hold every key too."""
+    path = ROOT / params_file if params_file == "params.yaml" else ROOT / "configs" / params_file
+    raw = yaml.safe_load(path.read_text())
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        for entry in stage.get("params", []):
+            if isinstance(entry, dict):  # {other_file.yaml: [...]}: not params.yaml
+                continue
+            node = raw
+            for part in entry.split("."):
+                assert isinstance(node, dict) and part in node, f"{name}: '{entry}' is not in {params_file}"
+                node = node[part]
