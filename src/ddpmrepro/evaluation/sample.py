@@ -65,13 +65,20 @@ def generate(model, diffusion, labels: torch.Tensor, seeds: list[int], p: Sample
         `samplers.Plan` (see `process`).
     """
     gens = [torch.Generator().manual_seed(s) for s in seeds]
-    if model.label_embed is None:  # unconditional: no labels, so nothing to guide
-        def model_fn(x, t):
-            return model(x, t)
-        model_fn.device = torch.device(device)
-    else:
-        model_fn = guided_model_fn(model, labels.to(device), p.guidance, num_classes)
+    model_fn = bind_labels(model, model.label_embed is not None, labels, p.guidance, num_classes, device)
     return to_uint8(run_sampler(diffusion, model_fn, (len(labels), *shape), gens, p, device, progress).cpu())
+
+
+def bind_labels(net, conditional: bool, labels: torch.Tensor, guidance: float, num_classes: int, device):
+    """`model_fn(x, t)` for the samplers from `net(x, t, y)`: guided with `labels`, or for an
+    unconditional network with no labels at all (nothing to guide)."""
+    if conditional:
+        return guided_model_fn(net, labels.to(device), guidance, num_classes)
+
+    def model_fn(x, t):
+        return net(x, t)
+    model_fn.device = torch.device(device)
+    return model_fn
 
 
 def run_sampler(diffusion, model_fn, shape, gens: list[torch.Generator], p: SampleParams, device,

@@ -27,10 +27,9 @@ import torch.nn.functional as F
 
 from .. import files
 from ..data import load_prepared, to_model_range, to_uint8
-from ..model.diffusion import guided_model_fn
 from ..model.superres import augment, bicubic_upsample, downsample
 from ..params import Params, ParamsError
-from .sample import image_seed, load_model, process, run_sampler, save_grid
+from .sample import bind_labels, image_seed, load_model, process, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).
@@ -87,12 +86,7 @@ def upsample(model, diffusion, low_uint8: torch.Tensor, labels: torch.Tensor, se
         reps = x.shape[0] // len(labels)
         return model(x, t, y, **{k: torch.cat([v] * reps) for k, v in cond.items()})
 
-    if model.label_embed is None:  # unconditional: nothing to guide
-        def model_fn(x, t):
-            return net(x, t)
-        model_fn.device = torch.device(device)
-    else:
-        model_fn = guided_model_fn(net, labels.to(device), p.guidance, num_classes)
+    model_fn = bind_labels(net, model.label_embed is not None, labels, p.guidance, num_classes, device)
     return to_uint8(run_sampler(diffusion, model_fn, (len(labels), *shape), gens, p, device).cpu())
 
 
