@@ -45,3 +45,43 @@ def test_a_reused_updater_follows_in_place_updates_and_loaded_weights():
     for k in ema:
         assert torch.equal(ema[k], ref[k]), k
     assert not torch.equal(ema["0.weight"], init_ema(model)["0.weight"])
+
+
+def test_the_ema_object_equals_the_recurrence_per_rate_and_round_trips_its_state():
+    """EMA (what the loop holds): every rate follows ema <- d ema + (1 - d) w with the shared warmup
+    count, and a copy loaded from its state_dict continues exactly as the original."""
+    from ddpmrepro.training.ema import EMA
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ema = EMA(model, [0.9, 0.2], warmup=True)
+    expected = {r: init_ema(model) for r in (0.9, 0.2)}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for n in range(6):
+        model(torch.randn(4, 3)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update()
+        for r in expected:
+            d = min(r, (1 + n) / (10 + n))
+            for k, v in model.state_dict().items():
+                expected[r][k] = d * expected[r][k] + (1 - d) * v
+        if n == 2:  # as on resume: a new object loaded from the state, tracking the same live model
+            state = ema.state_dict()
+            ema = EMA(model, [0.9, 0.2], warmup=True)
+            ema.load_state_dict(state)
+            assert ema.num_updates == 3
+    for r in expected:
+        for k in expected[r]:
+            assert torch.allclose(ema.export()[r][k], expected[r][k], atol=1e-6), (r, k)
+    assert not torch.equal(ema.export()[0.9]["weight"], ema.export()[0.2]["weight"])
+
+
+def test_an_ema_state_of_other_rates_is_refused():
+    import pytest
+
+    from ddpmrepro.training.ema import EMA
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="rates"):
+        EMA(model, [0.9], warmup=False).load_state_dict(EMA(model, [0.99], warmup=False).state_dict())

@@ -372,7 +372,7 @@ def test_fp16_overflow_step_is_skipped_and_lowers_the_scale(tmp_path, prepared, 
     T.train(params, paths)
     (ckpt_dir,) = (tmp_path / "c").glob("*/*")
     state = load_checkpoint(latest_checkpoint(ckpt_dir))
-    assert state["skipped_steps"] == 1
+    assert state["nonfinite"]["skipped_steps"] == 1
     assert state["scaler"]["scale"] == 65536.0 / 2
     import pandas as pd
 
@@ -509,7 +509,7 @@ def checkpoints(run_dir: Path) -> dict[int, dict]:
 
 def tensors(state: dict) -> list[torch.Tensor]:
     """Every tensor of a checkpoint that training updates: weights, EMAs, AdamW moments and step counts."""
-    out = list(state["model"].values()) + [t for e in state["ema"].values() for t in e.values()]
+    out = list(state["model"].values()) + [t for e in state["ema"]["averages"].values() for t in e.values()]
     return out + [t for s in state["optimizer"]["state"].values() for t in s.values()]
 
 
@@ -544,14 +544,14 @@ def test_nonfinite_step_errors_saving_nothing_after_it_then_skip_resumes_as_a_sk
     skip = write_params(tmp_path / "skip.yaml", train={**NONFINITE, "precision": precision, "on_nonfinite": "skip"})
     monkeypatch.undo()
     poison_loss(monkeypatch, at_call=1)  # step 4 is the first step of the resumed run
-    with caplog.at_level("WARNING", logger="ddpmrepro.training.loop"):
+    with caplog.at_level("WARNING", logger="ddpmrepro.training.nonfinite"):
         assert cli_train(run, prepared, skip).exit_code == 0
     assert f"step 4: non-finite gradient norm under {precision}; update skipped (1 so far)" in caplog.text
     states = checkpoints(run)
     assert sorted(states) == [1, 2, 3, 4, 5, 6]
     assert all(torch.equal(a, b) for a, b in zip(tensors(states[3]), tensors(states[4])))
     assert not all(torch.equal(a, b) for a, b in zip(tensors(states[4]), tensors(states[5])))
-    assert (states[6]["skipped_steps"], states[6]["ema_updates"]) == (1, 5)
+    assert (states[6]["nonfinite"]["skipped_steps"], states[6]["ema"]["num_updates"]) == (1, 5)
     assert all(torch.isfinite(t.float()).all() for t in tensors(states[6]))
     assert bool(torch.isfinite(states[6]["sampler"]["loss_history"]).all())  # the inf losses were left out
     import pandas as pd

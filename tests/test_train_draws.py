@@ -1,9 +1,9 @@
-"""train.example_draws: each example's draws are exactly those of a fresh generator seeded by its
+"""batches.example_draws: each example's draws are exactly those of a fresh generator seeded by its
 seed, whatever the image shape (the bitwise resume and DDP-equivalence guarantees rest on it)."""
 import pytest
 import torch
 
-from ddpmrepro.training.loop import example_draws, step_seed
+from ddpmrepro.training.batches import example_draws, step_seed
 
 
 def fresh_generator_draws(seeds, shape):

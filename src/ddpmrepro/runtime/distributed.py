@@ -65,6 +65,21 @@ def all_reduce_max(x: float) -> float:
     return float(t.item())
 
 
+def all_reduce_sum_(x: torch.Tensor) -> None:
+    """Sums `x` over ranks in place (a no-op without a group)."""
+    if dist.is_initialized():
+        dist.all_reduce(x)
+
+
+def gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """(world, *x.shape) on the host: row r is rank r's `x` (every rank must call it)."""
+    if not dist.is_initialized():
+        return x[None].cpu()
+    rows = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, x)
+    return torch.stack(rows).cpu()
+
+
 def cleanup() -> None:
     global _CONTROL_GROUP
     if dist.is_initialized():

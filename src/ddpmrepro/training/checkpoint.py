@@ -1,4 +1,5 @@
-"""Checkpoints: the resumable training state (torch.save, loaded weights_only), and the run lock.
+"""Checkpoints: the resumable training state (torch.save, loaded weights_only), what it holds
+(`CheckpointIO`, the one list of it), and the run lock.
 
 A checkpoint file is untrusted input: it is loaded with `weights_only=True` only, after its
 sha256 sidecar has been checked, so a truncated, tampered or pickle-bearing file is refused
@@ -113,6 +114,43 @@ def _written_by(path: Path, pid: int) -> bool:
         return False  # the pid was reused by a process that is not writing it
     except OSError:
         return True  # no /proc, or not ours to look at
+
+
+# --- what a training checkpoint holds ---------------------------------------------------------
+
+
+class CheckpointIO:
+    """Everything a training checkpoint holds, named once: `CheckpointIO(model=..., optimizer=..., ema=...)`.
+
+    Each object has `state_dict()` and `load_state_dict(state)`; a checkpoint is their states
+    under those names, plus the step and what identifies the run (`run_hash`) and the code
+    (`code_version`): a checkpoint resumes only into the same run under the same code.
+    """
+
+    def __init__(self, **objects):
+        self.objects = objects
+
+    def state_dict(self, step: int, *, run_hash: str, code_version: str, **extra) -> dict:
+        """Every object's state (call it on every rank: a state may be a collective, like the
+        statistics gathered from every rank); `extra` is recorded, never read back."""
+        return {"step": step, **{name: obj.state_dict() for name, obj in self.objects.items()},
+                "run_hash": run_hash, "code_version": code_version, **extra}
+
+    def load(self, path: Path, *, run_hash: str, code_version: str) -> int:
+        """Loads every object's state from the checkpoint at `path` after checking that it is one of
+        this run under this code; returns its step."""
+        state = load_checkpoint(path)
+        if not isinstance(state, dict) or not {"step", "run_hash", "code_version", *self.objects} <= state.keys():
+            raise CheckpointError(f"{path}: not a training checkpoint of ddpmrepro; delete it to resume "
+                                  "from an earlier checkpoint")
+        if state["code_version"] != code_version:
+            raise CheckpointError(f"{path}: written by code version {state['code_version']}, this is {code_version}; "
+                                  "rerun with `ddpmrepro train --restart` to start over, or restore that code")
+        if state["run_hash"] != run_hash:
+            raise CheckpointError(f"{path}: belongs to run {state['run_hash']}, not {run_hash}; remove it")
+        for name, obj in self.objects.items():
+            obj.load_state_dict(state[name])
+        return int(state["step"])
 
 
 # --- a run directory is written by one process at a time -------------------------------------

@@ -1,8 +1,8 @@
-"""Exponential moving averages of model weights (one frozen copy per rate).
+"""Exponential moving averages of the model's weights: one frozen fp32 copy per rate.
 
-The loop calls `update_ema` after every optimizer step that was not skipped. EMA copies
-are plain state dicts of fp32 tensors, so they are saved with the checkpoint and exported
-to safetensors without touching the live model.
+The loop holds one `EMA` and calls `ema.update()` after every optimizer step that was not skipped
+(the weights did not move, so neither does the average, nor its warmup count). `state_dict` goes
+into every checkpoint; `export` gives the averaged weights the model directory stores.
 """
 from __future__ import annotations
 
@@ -51,5 +51,42 @@ class EmaUpdater:
 
 
 def update_ema(ema: dict[str, torch.Tensor], model: nn.Module, decay: float) -> None:
-    """One EMA update (see EmaUpdater; the loop keeps an updater per rate instead)."""
+    """One EMA update of a single average (the `EMA` object keeps an updater per rate instead)."""
     EmaUpdater(ema, model)(decay)
+
+
+class EMA:
+    """The fixed-rate EMAs of `model` (the raw module, not its DDP wrapper), one per rate.
+
+    All rates share one update count: it drives the warmup and counts the steps that moved the
+    weights, so a skipped step leaves every average exactly as it was.
+    """
+
+    def __init__(self, model: nn.Module, rates, *, warmup: bool):
+        self.model, self.warmup = model, warmup
+        self.num_updates = 0
+        self._set({float(rate): init_ema(model) for rate in rates})
+
+    def _set(self, averages: dict[float, dict[str, torch.Tensor]]) -> None:
+        self.averages = averages
+        self._updaters = {rate: EmaUpdater(avg, self.model) for rate, avg in averages.items()}
+
+    def update(self) -> None:
+        """One update after an optimizer step that changed the weights."""
+        for rate, update in self._updaters.items():
+            update(ema_decay(rate, self.num_updates, self.warmup))
+        self.num_updates += 1
+
+    def state_dict(self) -> dict:
+        return {"averages": {str(rate): avg for rate, avg in self.averages.items()}, "num_updates": self.num_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        averages = {float(rate): avg for rate, avg in state["averages"].items()}
+        if set(averages) != set(self.averages):
+            raise ValueError(f"the checkpoint holds EMA rates {sorted(averages)}, this run tracks {sorted(self.averages)}")
+        self._set(averages)
+        self.num_updates = int(state["num_updates"])
+
+    def export(self) -> dict[float, dict[str, torch.Tensor]]:
+        """rate -> averaged state dict (fp32), what the model directory stores."""
+        return dict(self.averages)

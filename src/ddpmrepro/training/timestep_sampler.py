@@ -147,6 +147,24 @@ class PendingUpdate:
         sampler.update(self.t, self.losses)
 
 
+class DeferredUpdates:
+    """The sampler updates still on their way to the host, applied in order by `flush` (just before
+    the next draw, and before the sampler's state is saved). The uniform sampler learns nothing:
+    nothing is gathered or queued for it."""
+
+    def __init__(self, sampler: UniformSampler):
+        self.sampler, self.pending = sampler, []
+        self.learns = type(sampler) is not UniformSampler
+
+    def add(self, t: torch.Tensor, losses: torch.Tensor) -> None:
+        if self.learns:
+            self.pending.append(PendingUpdate(t, losses))
+
+    def flush(self) -> None:
+        while self.pending:
+            self.pending.pop(0).apply_to(self.sampler)
+
+
 def create_sampler(name: str, num_timesteps: int) -> UniformSampler:
     if name == "uniform":
         return UniformSampler(num_timesteps)

@@ -1,0 +1,86 @@
+"""Introspection as the loop sees it: on recorded steps, parameter-gradient norms and hooked
+activation gradients go into the tables; on the other steps nothing is measured at all.
+
+The loop calls it at three points of a step: `begin` (arms the activation hooks), `capture`
+(after the gradients are all-reduced and unscaled, before clipping scales them in place) and
+`end` (collects over ranks, hands the rows to the table writer on rank 0).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..params import IntrospectParams, ParamsError
+from ..runtime import distributed as D
+from . import introspect
+
+
+class Introspection:
+    """The gradient recorders and the table writer of one run (the writer on rank 0 only).
+
+    The recorders' patterns are checked against the model when this is built, before anything
+    is written, and a pattern that matches nothing is a one-line `ParamsError`."""
+
+    def __init__(self, raw_model: torch.nn.Module, ip: IntrospectParams, *, last_step: int):
+        self.every, self.steps, self.last_step = ip.every, [*ip.steps, *ip.dump_steps], last_step
+        self.main = D.is_main()
+        try:
+            self.grads = introspect.ParamGradRecorder(raw_model.named_parameters(), ip.params,
+                                                      update_ratio=ip.update_ratio)
+        except ValueError as e:
+            raise ParamsError(f"introspect.params: {e}") from None
+        try:
+            self.activations = introspect.ActivationGradRecorder(
+                raw_model, ip.modules, histogram_bins=ip.histogram_bins, dump_steps=ip.dump_steps,
+                dump_modules=ip.dump_modules, dump_max_mb=ip.dump_max_mb, reduction="global")
+        except ValueError as e:
+            raise ParamsError(f"introspect.modules: {e}") from None
+        self.writer = None
+        self.recording = False
+
+    def open_tables(self, tables_dir: Path, start_step: int) -> None:
+        """The table writer (rank 0), once the step to start from is known: a resumed run's writer
+        first drops the rows written after its checkpoint."""
+        if self.main:
+            self.writer = introspect.TableWriter(tables_dir, start_step=start_step)
+
+    def __enter__(self):  # the activation hooks, removed on exit
+        self.activations.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.activations.__exit__(*exc)
+
+    def begin(self, done: int, loss_scale: float) -> bool:
+        """Before the forward passes of update `done`: whether it is recorded (then the hooks are armed;
+        the activation gradients they catch are divided by the loss scale)."""
+        self.recording = introspect.is_record_step(done, self.every, self.steps, last=self.last_step)
+        if self.recording:
+            self.activations.arm(done, loss_scale=loss_scale)
+        return self.recording
+
+    def capture(self, done: int) -> None:
+        """The parameter gradients as the optimizer will see them, before clipping."""
+        if self.recording and self.main:
+            self.grads.capture(done)
+
+    def end(self, done: int, **step_values) -> None:
+        """After the update: the recorded rows into the tables (`step_values`: total_norm, clip_threshold,
+        skipped, loss_scale, lr, for the steps table). A collective on recorded steps: every rank calls it."""
+        if not self.recording:
+            return
+        act_rows = self.activations.collect()
+        if self.main:
+            param_rows, step_row = self.grads.finish(**step_values)
+            self.writer.add(done, params=param_rows, summary=step_row, activations=act_rows,
+                            dumps=self.activations.take_dumps())
+
+    def flush(self) -> None:
+        """The rows so far onto disk (before a checkpoint: a resume drops the rows after its checkpoint)."""
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
