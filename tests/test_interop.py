@@ -89,6 +89,30 @@ def test_improved_diffusion_weights_give_its_unets_outputs(preset, keys, theirs_
     assert all(torch.equal(back[k], v) for k, v in theirs.state_dict().items())
 
 
+def test_num_heads_upsample_gives_its_unets_outputs_and_is_needed(one_thread):
+    """improved-diffusion's `num_heads_upsample` (the up path's head count) is a constructor flag the file
+    cannot show: with model.num_heads_upsample the import is exact; without it the same tensors load and
+    compute something else (issue 31: relative error about 0.15), which is why the key exists."""
+    theirs = randomise(improved.UNetModel(1, 32, 1, 1, (2,), channel_mult=(1, 2), num_heads=4, num_heads_upsample=1,
+                                          use_scale_shift_norm=True), seed=4)
+    x = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    outputs = {}
+    for upsample in (1, None):
+        keys = dict(channels=32, channel_mult=[1, 2], num_res_blocks=1, attention_resolutions=[4], num_heads=4,
+                    num_heads_upsample=upsample, class_cond=False)
+        ours = build_unet(P.ModelParams(**keys), image_size=8, in_channels=1, num_classes=None, learn_sigma=False)
+        ours.load_state_dict(ID.to_ours(theirs.state_dict(), ours, source="their.pt"), strict=True)
+        with torch.no_grad():
+            outputs[upsample] = ours.eval()(x, T_PROBE)
+        if upsample:
+            back = ID.from_ours(ours)
+            assert all(torch.equal(back[k], v) for k, v in theirs.state_dict().items())
+    with torch.no_grad():
+        reference = theirs(x, T_PROBE)
+    assert rel(outputs[1], reference) <= 1e-5
+    assert rel(outputs[None], reference) > 1e-2
+
+
 def test_the_qkv_permutation_is_needed_and_exact():
     w = torch.arange(3 * 8 * 2, dtype=torch.float32).reshape(24, 2)  # 8 channels, 2 heads of 4
     ours = ID.qkv_per_head_to_per_tensor(w, heads=2)
@@ -316,6 +340,56 @@ def test_diffusers_folder_imports_and_exports_back_bitwise(tiny_model_dir, tmp_p
     a = load_file(tiny_model_dir / "models/tiny/ema_0.999.safetensors")
     b = load_file(tiny_model_dir / "models/again/ema_0.999.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _good_config(tiny_model_dir) -> dict:
+    return json.loads((tiny_model_dir / "src" / "config.json").read_text())
+
+
+# (what is done to a good UNet2DModel config.json, the key the one-line refusal must name)
+DAMAGED_CONFIGS = {
+    "the report's: no widths": (lambda c: {"_class_name": "UNet2DModel", "sample_size": 8, "in_channels": 1},
+                                "block_out_channels"),
+    "a JSON list": (lambda c: [c], "JSON list"),
+    "a JSON string": (lambda c: "UNet2DModel", "JSON str"),
+    "no down blocks": (lambda c: {k: v for k, v in c.items() if k != "down_block_types"}, "down_block_types"),
+    "widths as a string": (lambda c: {**c, "block_out_channels": "32,32"}, "block_out_channels"),
+    "a null width": (lambda c: {**c, "block_out_channels": [32, None]}, "block_out_channels"),
+    "no widths at all": (lambda c: {**c, "block_out_channels": []}, "block_out_channels"),
+    "blocks as numbers": (lambda c: {**c, "up_block_types": [1, 2]}, "up_block_types"),
+    "layers as text": (lambda c: {**c, "layers_per_block": "two"}, "layers_per_block"),
+    "eps as a bool": (lambda c: {**c, "norm_eps": True}, "norm_eps"),
+    "heads as an object": (lambda c: {**c, "attention_head_dim": {"a": 1}}, "attention_head_dim"),
+    "size as text": (lambda c: {**c, "sample_size": "8"}, "sample_size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_CONFIGS))
+def test_a_damaged_diffusers_config_is_one_line_naming_the_key_and_writes_nothing(tiny_model_dir, tmp_path, case):
+    """Issue 31: a config.json without block_out_channels raised KeyError, a JSON list AttributeError
+    (35-line tracebacks). Now one line that names the key, a non-zero exit, and no output."""
+    import shutil
+
+    damage, key = DAMAGED_CONFIGS[case]
+    folder = tmp_path / "u"
+    shutil.copytree(tiny_model_dir / "src", folder)
+    (folder / "config.json").write_text(json.dumps(damage(_good_config(tiny_model_dir))))
+    result = CliRunner().invoke(main, ["import", str(folder), "--format", "diffusers", "--out", str(tmp_path / "m"),
+                                       "--data", str(tiny_model_dir / "data")])
+    one_line_error(result, key, str(folder / "config.json"))
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_damaged_scheduler_config_is_one_line_too(tiny_model_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "u"
+    shutil.copytree(tiny_model_dir / "src", folder)
+    (folder / "scheduler_config.json").write_text(json.dumps({"num_train_timesteps": "1000"}))
+    result = CliRunner().invoke(main, ["import", str(folder), "--format", "diffusers", "--out", str(tmp_path / "m"),
+                                       "--data", str(tiny_model_dir / "data")])
+    one_line_error(result, "num_train_timesteps")
+    assert not (tmp_path / "m").exists()
 
 
 def diffusers_class_conditional_ddim(unet, scheduler, labels, guidance: float, steps: int, x_T):

@@ -243,3 +243,30 @@ def test_the_cascade_runs_as_snakemake_jobs_that_dvc_records(tmp_path):
     assert "sr_psnr" in json.loads((cascade / "metrics_test.json").read_text())
     assert "up to date" in run(cascade, "dvc", "status").stdout
     assert "Nothing to be done" in run(cascade, str(Path(BIN) / "snakemake"), "--cores", "2").stderr
+
+
+@pytest.mark.slow
+def test_an_unconditional_upsampler_trains_samples_and_is_scored(trained, tmp_path):
+    """model.class_cond: false with superres.low_res (issue 31, item 2): it used to pass check-params
+    and fail at step 1 ("labels y are required"): the upsampler was built with a label table."""
+    raw = {k: dict(v) for k, v in RAW.items()}
+    raw["model"]["class_cond"] = False
+    params_path = tmp_path / "params.yaml"
+    params_path.write_text(yaml.safe_dump(raw))
+    cli("check-params", "--params", str(params_path), "--out", str(tmp_path / "resolved"))
+    cli("train", "--params", str(params_path), "--data", str(trained / "data"), "--out", str(tmp_path / "model"),
+        "--live", str(tmp_path / "live"), "--introspect", str(tmp_path / "introspect"),
+        "--checkpoints", str(tmp_path / "ckpt"))
+    from ddpmrepro.evaluation.sample import load_model
+
+    model, _, _ = load_model(tmp_path / "model", 0.9)
+    assert model.label_embed is None and model.input_blocks[0][0].in_channels == 2  # unconditional, 2C inputs
+    cli("sample-superres", "--params", str(params_path), "--model", str(tmp_path / "model"),
+        "--data", str(trained / "data"), "--out", str(tmp_path / "s"))
+    with np.load(tmp_path / "s" / "samples.npz") as z:
+        assert z["images"].shape == (20, 1, 8, 8)
+    cli("evaluate-superres", "--params", str(params_path), "--samples", str(tmp_path / "s"),
+        "--data", str(trained / "data"), "--evaluator", str(trained / "evaluator"),
+        "--out", str(tmp_path / "m.json"), "--detail", str(tmp_path / "d.json"))
+    head = json.loads((tmp_path / "m.json").read_text())
+    assert np.isfinite(head["sr_psnr"]) and np.isfinite(head["sr_fid"])

@@ -82,6 +82,9 @@ class ModelParams:
                                 doc="GroupNorm epsilon (default 1e-5; DDPM's TF release: 1e-6).")
     num_heads: int | None = _f(None, min=1, doc="A fixed number of attention heads in every attention layer "
                                                 "(improved-diffusion's `num_heads`); replaces num_head_channels.")
+    num_heads_upsample: int | None = _f(None, min=1, doc="A fixed number of attention heads in the up path's "
+                                                         "attention layers only (improved-diffusion's "
+                                                         "`num_heads_upsample`); null: as the other layers.")
     resblock_updown: bool | None = _f(None, doc="true: resample with residual blocks (average pool / nearest inside "
                                                 "the block, guided-diffusion's ADM) instead of strided / upsampling "
                                                 "convs. Default false.")

@@ -18,6 +18,7 @@ What the weights do not say is in diffusers' config: `flip_sin_to_cos`/`freq_shi
 """
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -172,9 +173,51 @@ FIXED = {"time_embedding_type": "positional", "act_fn": "silu", "center_input_sa
          "resnet_out_scale_factor": 1.0}
 
 
+# The config.json keys model_keys reads: (JSON types allowed, required). A damaged or hand-edited file
+# is refused naming the key, before anything reads it (a KeyError or AttributeError is a crash, not a message).
+_NUMBER, _INT, _NULL = (int, float), (int,), (type(None),)
+UNET_CONFIG_KEYS = {
+    "block_out_channels": ((list,), True), "down_block_types": ((list,), True), "up_block_types": ((list,), True),
+    "sample_size": (_INT, False), "in_channels": (_INT, False), "out_channels": (_INT, False),
+    "layers_per_block": (_INT, False), "dropout": (_NUMBER, False), "norm_eps": (_NUMBER, False),
+    "attention_head_dim": (_INT + _NULL + (list,), False), "num_class_embeds": (_INT + _NULL, False),
+    "flip_sin_to_cos": ((bool,), False), "freq_shift": (_INT, False), "downsample_padding": (_INT, False),
+    "resnet_time_scale_shift": ((str,), False), "attn_norm_num_groups": (_INT + _NULL, False),
+}
+
+
+def check_config(config, schema: dict, *, source: str, what: str) -> None:
+    """ConversionError naming the first missing or mistyped key of a diffusers config.json."""
+    if not isinstance(config, dict):
+        raise ConversionError(f"{source}: holds a JSON {type(config).__name__}, not the object of settings of a {what}")
+    for key, (types, required) in schema.items():
+        if key not in config:
+            if required:
+                raise ConversionError(f"{source}: no {key!r}, which every {what} config.json has; the file is damaged "
+                                      "or not a diffusers config (download it again)")
+            continue
+        value = config[key]
+        # bool is an int in Python; JSON true for an integer setting is still wrong
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = " or ".join("null" if t is type(None) else {"int": "integer", "float": "number"}.get(
+                t.__name__, t.__name__) for t in types)
+            raise ConversionError(f"{source}: {key} is {json.dumps(value)}, not a {names}; the file is damaged "
+                                  "(download it again)")
+    for key in ("block_out_channels", "down_block_types", "up_block_types"):
+        if key in schema and key in config:
+            items = config[key]
+            kind = int if key == "block_out_channels" else str
+            if not items or not all(isinstance(v, kind) and not isinstance(v, bool) and (kind is str or v > 0)
+                                    for v in items):
+                raise ConversionError(f"{source}: {key} is {json.dumps(items)}, not a non-empty list of "
+                                      f"{'positive integers' if kind is int else 'block names'}")
+
+
 def model_keys(config: dict, *, source: str) -> dict:
     """params.yaml `model:` keys (all architecture keys) and whether it is class-conditional,
-    from a UNet2DModel config.json. ConversionError names the first option we cannot reproduce."""
+    from a UNet2DModel config.json. ConversionError names the first option we cannot reproduce,
+    or the first key that is missing or malformed."""
+    check_config(config, UNET_CONFIG_KEYS, source=source, what="UNet2DModel")
     if config.get("_class_name", "UNet2DModel") != "UNet2DModel":
         raise ConversionError(f"{source}: a {config['_class_name']}, not a UNet2DModel")
     for key, allowed in FIXED.items():
@@ -199,6 +242,11 @@ def model_keys(config: dict, *, source: str) -> dict:
                               "attn_norm_num_groups), which ddpmrepro's UNet always has")
     size = int(config.get("sample_size", 32))
     head_dim = config.get("attention_head_dim")
+    if isinstance(head_dim, list):  # diffusers allows one per block; ours is one size for every layer
+        if len(set(map(str, head_dim))) != 1 or not isinstance(head_dim[0], int) or isinstance(head_dim[0], bool):
+            raise ConversionError(f"{source}: attention_head_dim {json.dumps(head_dim)} differs between blocks (or is "
+                                  "not integers); ddpmrepro's UNet has one head size for every attention layer")
+        head_dim = head_dim[0]
     keys = {
         "channels": widths[0], "channel_mult": [w // widths[0] for w in widths],
         "num_res_blocks": int(config.get("layers_per_block", 2)),
@@ -243,8 +291,16 @@ def scheduler_config(diffusion) -> dict:
     }
 
 
+SCHEDULER_CONFIG_KEYS = {
+    "num_train_timesteps": (_INT, False), "beta_schedule": ((str,), False), "beta_start": (_NUMBER, False),
+    "beta_end": (_NUMBER, False), "variance_type": ((str,), False), "prediction_type": ((str,), False),
+}
+
+
 def diffusion_keys(config: dict, *, source: str) -> dict:
-    """params.yaml `diffusion:` keys from a DDPMScheduler config (ConversionError if not expressible)."""
+    """params.yaml `diffusion:` keys from a DDPMScheduler config (ConversionError if not expressible,
+    or naming the first malformed key)."""
+    check_config(config, SCHEDULER_CONFIG_KEYS, source=source, what="DDPMScheduler")
     t = int(config.get("num_train_timesteps", 1000))
     schedule = config.get("beta_schedule", "linear")
     if schedule == "squaredcos_cap_v2":

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .unet import PRESETS, UNet, timestep_embedding
+from .unet import UNet, timestep_embedding, unet_arguments
 
 # The augmentation level is a std in the [-1, 1] image range; it is embedded like a timestep
 # after scaling by this, so that levels 0..1 span the sinusoids' range as t = 0..1000 does.
@@ -62,18 +62,11 @@ class SuperResUNet(UNet):
 
 def build_superres(model_params, superres_params, *, image_size: int, in_channels: int, num_classes: int | None,
                    learn_sigma: bool) -> SuperResUNet:
-    """The upsampler of `PRESETS[model_params.preset]` (params.yaml overrides applied) at `image_size`."""
-    if model_params.preset not in PRESETS:
-        raise ValueError(f"unknown model preset {model_params.preset!r}; choose one of {', '.join(PRESETS)}")
-    cfg = {**PRESETS[model_params.preset], **model_params.overrides()}
-    return SuperResUNet(
-        image_size=image_size, in_channels=in_channels, model_channels=cfg["channels"],
-        out_channels=2 * in_channels if learn_sigma else in_channels,
-        num_res_blocks=cfg["num_res_blocks"], attention_resolutions=cfg["attention_resolutions"],
-        dropout=cfg["dropout"], channel_mult=cfg["channel_mult"], num_classes=num_classes,
-        num_head_channels=cfg["num_head_channels"], scale_shift_norm=cfg["scale_shift_norm"],
-        grad_checkpoint=model_params.grad_checkpoint, noise_aug=superres_params.noise_aug > 0,
-    )
+    """The upsampler of `PRESETS[model_params.preset]` at `image_size`: the base UNet's construction
+    (`unet_arguments`: every `model:` key, `class_cond` included) with 2C inputs."""
+    args = unet_arguments(model_params, image_size=image_size, in_channels=in_channels, num_classes=num_classes,
+                          learn_sigma=learn_sigma)
+    return SuperResUNet(**args, noise_aug=superres_params.noise_aug > 0)
 
 
 def downsample(x: torch.Tensor, side: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ PRESETS: dict[str, dict] = {
 # exactly (docs/MODELS.md): DDPM's TF release needs time_embedding "ddpm", downsample_padding
 # "asymmetric" and norm_eps 1e-6; improved-diffusion's num_heads is a fixed head count per layer.
 SHARED_DEFAULTS: dict = dict(time_embedding="iddpm", downsample_padding="symmetric", norm_eps=1e-5, num_heads=None,
-                             resblock_updown=False)
+                             num_heads_upsample=None, resblock_updown=False)
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0, kind: str = "iddpm") -> torch.Tensor:
@@ -245,7 +245,8 @@ class UNet(nn.Module):
                  num_res_blocks: int, attention_resolutions, dropout: float, channel_mult,
                  num_classes: int | None, num_head_channels: int, scale_shift_norm: bool, *,
                  time_embedding: str = "iddpm", downsample_padding: str = "symmetric", norm_eps: float = 1e-5,
-                 num_heads: int | None = None, resblock_updown: bool = False, grad_checkpoint: bool = False):
+                 num_heads: int | None = None, num_heads_upsample: int | None = None, resblock_updown: bool = False,
+                 grad_checkpoint: bool = False):
         """
         :param image_size: side of the (square) input in pixels; 2**(len(channel_mult)-1) must divide it.
         :param in_channels: image channels (1 or 3).
@@ -263,8 +264,10 @@ class UNet(nn.Module):
         :param downsample_padding: "symmetric" (1 pixel each side) or "asymmetric" (TF's 0,1,0,1).
         :param norm_eps: epsilon of every GroupNorm.
         :param num_heads: a fixed number of heads per attention layer (replaces num_head_channels).
+        :param num_heads_upsample: a fixed number of heads in the up path's attention layers (the
+            output blocks; improved-diffusion's `num_heads_upsample`); None: as the other layers.
         :param resblock_updown: resample with residual blocks (ADM) instead of strided/upsampling convs.
-        The last five default to this UNet's own choices; the others reproduce published models.
+        The last six default to this UNet's own choices; the others reproduce published models.
         :param grad_checkpoint: recompute each residual/attention block's activations in backward
             instead of keeping them (less memory, about one more forward per step, same numbers).
         """
@@ -293,8 +296,9 @@ class UNet(nn.Module):
         def res(cin: int, cout: int, updown: str | None = None) -> ResBlock:
             return ResBlock(cin, cout, emb_ch, dropout, scale_shift_norm, norm_eps, updown)
 
-        def attn(c: int) -> AttentionBlock:
-            return AttentionBlock(c, num_head_channels, norm_eps, num_heads)
+        def attn(c: int, up: bool = False) -> AttentionBlock:
+            heads = num_heads_upsample if up and num_heads_upsample is not None else num_heads
+            return AttentionBlock(c, num_head_channels, norm_eps, heads)
 
         # Down path: remember each block's output width, for the skips the up path concatenates.
         ch, side = model_channels, image_size
@@ -323,7 +327,7 @@ class UNet(nn.Module):
                 layers = [res(ch + skip_chs.pop(), model_channels * mult)]
                 ch = model_channels * mult
                 if side in attention_resolutions:
-                    layers.append(attn(ch))
+                    layers.append(attn(ch, up=True))
                 if level and i == num_res_blocks:
                     layers.append(res(ch, ch, "up") if resblock_updown else Upsample(ch))
                     side *= 2
@@ -368,9 +372,10 @@ class UNet(nn.Module):
         return self.out(h)
 
 
-def build_unet(model_params, *, image_size: int, in_channels: int, num_classes: int | None,
-               learn_sigma: bool) -> UNet:
-    """Builds the UNet of `PRESETS[model_params.preset]`, with the keys set in params.yaml overriding.
+def unet_arguments(model_params, *, image_size: int, in_channels: int, num_classes: int | None,
+                   learn_sigma: bool) -> dict:
+    """The `UNet` arguments of `PRESETS[model_params.preset]` with the keys set in params.yaml overriding:
+    the one place where `model:` keys become a network, for the base model and the upsampler alike.
 
     :param model_params: a `ddpmrepro.params.ModelParams`.
     :param image_size: image side in pixels.
@@ -382,7 +387,7 @@ def build_unet(model_params, *, image_size: int, in_channels: int, num_classes: 
     if model_params.preset not in PRESETS:
         raise ValueError(f"unknown model preset {model_params.preset!r}; choose one of {', '.join(PRESETS)}")
     cfg = {**SHARED_DEFAULTS, **PRESETS[model_params.preset], **model_params.overrides()}
-    return UNet(
+    return dict(
         image_size=image_size, in_channels=in_channels, model_channels=cfg["channels"],
         out_channels=2 * in_channels if learn_sigma else in_channels,
         num_res_blocks=cfg["num_res_blocks"], attention_resolutions=cfg["attention_resolutions"],
@@ -395,6 +400,14 @@ def build_unet(model_params, *, image_size: int, in_channels: int, num_classes: 
     )
 
 
+def build_unet(model_params, *, image_size: int, in_channels: int, num_classes: int | None,
+               learn_sigma: bool) -> UNet:
+    """Builds the UNet of `PRESETS[model_params.preset]`, with the keys set in params.yaml overriding
+    (arguments: `unet_arguments`)."""
+    return UNet(**unet_arguments(model_params, image_size=image_size, in_channels=in_channels,
+                                 num_classes=num_classes, learn_sigma=learn_sigma))
+
+
 def count_parameters(model_params, **shape) -> int:
     """Parameters of `build_unet(model_params, **shape)`, built on the meta device (no memory, no time)."""
     with torch.device("meta"):
@@ -402,4 +415,4 @@ def count_parameters(model_params, **shape) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["UNet", "PRESETS", "SHARED_DEFAULTS", "build_unet", "count_parameters", "timestep_embedding"]
+__all__ = ["UNet", "PRESETS", "SHARED_DEFAULTS", "build_unet", "unet_arguments", "count_parameters", "timestep_embedding"]
