@@ -328,7 +328,7 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
               type=click.Path(dir_okay=False, path_type=Path),
               help="Every metric: KID, IS, per class, every floor value, Inception, the training summary.")
 @click.option("--live", "live_dir", default="reports/train/live", show_default=True, type=click.Path(path_type=Path),
-              help="The training run's dvclive files (final loss and images/s are copied).")
+              help="The training run's dvclive files (the final loss is copied to OUT, every last value to DETAIL).")
 @click.option("--table", "table_out", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the headline and per-class values as an HTML table (for `snakemake --report`).")
 @user_errors
