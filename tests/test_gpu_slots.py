@@ -205,15 +205,14 @@ def four_fake_gpus(monkeypatch, tmp_path):
 
 
 def test_cli_takes_gpus_before_it_launches(four_fake_gpus):
-    import click
-
-    from ddpmrepro.cli import _check_devices
+    from ddpmrepro.runtime.launch import LaunchError
+    from ddpmrepro.runtime.launch import check_devices as _check_devices
 
     _check_devices("cpu", 2)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"  # a CPU run claims nothing
     _check_devices("auto", 2, claim=False)  # multi-node: SLURM hands out the nodes
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
-    with pytest.raises(click.ClickException, match=r"^sample.nproc=5 processes need 5 GPUs but 4 are visible"):
+    with pytest.raises(LaunchError, match=r"^sample.nproc=5 processes need 5 GPUs but 4 are visible"):
         _check_devices("auto", 5, key="sample.nproc")
     _check_devices("auto", 3)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2"

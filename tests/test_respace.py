@@ -10,7 +10,7 @@ actually holds after j additions (which is what decides it).
 import pytest
 
 from ddpmrepro.params import ParamsError, from_dict
-from ddpmrepro.model.respace import space_timesteps
+from ddpmrepro.respace import space_timesteps
 
 
 def test_the_issue_example_keeps_149_not_150():

@@ -124,8 +124,7 @@ def test_queued_experiments_run_side_by_side_on_disjoint_cores_and_equal_solo_ru
         for path in ("models/ddpm/model.safetensors", "models/ddpm/ema_0.999.safetensors", "samples/samples.npz"):
             assert _read(repo, path, revs[q]) == _read(repo, path, revs[s]), (q, path)
         mq, ms = (json.loads(_read(repo, "metrics.json", revs[x])) for x in (q, s))
-        assert mq.pop("img_per_sec") > 0 and ms.pop("img_per_sec") > 0  # a timing: differs
-        assert mq == ms and len(mq) >= 8
+        assert mq == ms and len(mq) >= 7  # the headline holds no timing: equal to the last bit
         dq, ds = (json.loads(_read(repo, "reports/metrics_detail.json", revs[x])) for x in (q, s))
         dq["train"].pop("images_per_sec"), ds["train"].pop("images_per_sec")
         assert dq == ds

@@ -41,15 +41,18 @@ def test_history_keeps_the_last_ten_losses():
 
 
 def test_importance_weighted_loss_is_unbiased():
-    # E_p[w_t L_t] must equal the uniform mean of L_t; check exactly via the distribution
-    # and by Monte Carlo with the sampler's own draws.
+    # E_p[w_t L_t] must equal the uniform mean of L_t; check exactly via the distribution, with the
+    # weight the sampler itself gives each timestep it draws, and by Monte Carlo with its draws.
     T = 6
     s = LossSecondMomentSampler(T, history=2)
     L = torch.tensor([5.0, 1.0, 0.5, 0.2, 0.1, 0.05], dtype=torch.float64)
     fill(s, L.tolist())
     p = torch.from_numpy(s.weights())
-    assert torch.isclose((p * (1 / (T * p)) * L).sum(), L.mean())
+    assert p.max() > 10 * p.min()  # far from uniform, where a weight of 1 would pass too
     t, w = s.sample(200_000, torch.Generator().manual_seed(0))
+    assert all(torch.unique(w[t == k]).numel() == 1 for k in range(T))  # one weight per timestep
+    w_of = torch.stack([w[t == k][0].double() for k in range(T)])
+    assert torch.isclose((p * w_of * L).sum(), L.mean(), rtol=1e-6)  # holds only for w_t = 1 / (T p_t)
     est = (w.double() * L[t]).mean()
     assert abs(est - L.mean()) / L.mean() < 0.01
     # and it actually samples high-loss timesteps more often

@@ -263,33 +263,14 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
         click.echo(f"training skipped: imported {params.train.import_from} (sha256 "
                    f"{config['source']['sha256'][:12]}) -> {out}")
         return
-    nproc = nproc or params.train.nproc
-    max_restarts = params.train.max_restarts if max_restarts is None else max_restarts
-    if not D.in_launch() and nnodes > 1:  # several nodes without SLURM: this node's torchrun
-        if node_rank is None or node_rank >= nnodes or not rdzv:
-            raise click.UsageError(f"--nnodes {nnodes} needs --node-rank K (0 to {nnodes - 1}, a different one on each "
-                                   "node) and --rdzv HOST:PORT (node 0's address and a free port)")
-        cmd = launch.static_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), nnodes, node_rank, rdzv,
-                                             max_restarts=max_restarts)
-        if _check_devices(params.train.device, nproc, claim=False):
-            os.environ["OMP_NUM_THREADS"] = str(launch.node_threads(dict(os.environ), nproc))
-        raise SystemExit(launch.run_launcher(cmd))
-    if not D.in_launch():
-        os.environ.update(launch.slurm_allocation(os.environ))  # Snakemake's SLURM job step drops the node list
-        role = launch.srun_role(dict(os.environ))  # raises when srun started one copy per GPU
-        multinode = role == "per-node" or launch.slurm_nodes() > 1
-        on_cpu = _check_devices(params.train.device, nproc, claim=not multinode)
-        if multinode and on_cpu:  # each node's processes get the threads a one-node run would give them
-            os.environ["OMP_NUM_THREADS"] = str(launch.node_threads(dict(os.environ), nproc))
-        if role == "per-node":
-            raise SystemExit(launch.run_launcher(launch.node_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ),
-                                                                              max_restarts=max_restarts)))
-        if launch.slurm_nodes() > 1:
-            raise SystemExit(launch.run_launcher(launch.srun_torchrun_command(nproc, launch.worker_args(sys.argv[1:]), dict(os.environ),
-                                                                               max_restarts=max_restarts), srun=True))
-        if nproc > 1:
-            raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]),
-                                                                         max_restarts=max_restarts)))
+    if nnodes > 1 and not D.in_launch() and (node_rank is None or node_rank >= nnodes or not rdzv):
+        raise click.UsageError(f"--nnodes {nnodes} needs --node-rank K (0 to {nnodes - 1}, a different one on each "
+                               "node) and --rdzv HOST:PORT (node 0's address and a free port)")
+    code = launch.launch_train(params.train.device, nproc or params.train.nproc, sys.argv[1:], nnodes=nnodes,
+                               node_rank=node_rank, rdzv=rdzv,
+                               max_restarts=params.train.max_restarts if max_restarts is None else max_restarts)
+    if code is not None:  # the launcher ran the training in its workers
+        raise SystemExit(code)
     from .training.loop import TrainPaths
     from .training.loop import train as run
 
@@ -304,29 +285,6 @@ def _claim_cpus(nproc: int = 1) -> None:
     from .runtime import cpu_slots
 
     cpu_slots.claim(nproc)
-
-
-def _check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: bool = True) -> bool:
-    """On GPUs: fails when nproc is more than the visible GPUs, and (claim) takes GPUs that no
-    concurrent ddpmrepro job on this machine uses (gpu_slots narrows CUDA_VISIBLE_DEVICES).
-    On CPU: (claim) takes this job's cores (cpu_slots). True when the run is on CPU."""
-    import torch
-
-    from .runtime import gpu_slots
-
-    # device_count() asks NVML and leaves CUDA uninitialised (is_available() would initialise it),
-    # so the CUDA_VISIBLE_DEVICES set by gpu_slots still applies to a run in this very process.
-    have = torch.cuda.device_count()
-    if device == "cpu" or (device == "auto" and have == 0):
-        if claim:
-            _claim_cpus(nproc)
-        return True
-    if nproc > have:
-        raise click.ClickException(f"{key}={nproc} processes need {nproc} GPUs but {have} are visible; "
-                                   f"lower {key} or set CUDA_VISIBLE_DEVICES")
-    if claim:
-        gpu_slots.claim(nproc, device_count=have)
-    return False
 
 
 @main.command()
@@ -349,13 +307,9 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
     from .evaluation.sample import sample as run
 
     params = _load_params(params_path)
-    nproc = nproc or params.sample.nproc
-    if not D.in_launch():
-        if launch.srun_role(dict(os.environ)) != "once":
-            raise click.ClickException("ddpmrepro sample runs on one node: start it once, not with srun on several nodes")
-        _check_devices("auto", nproc, key="sample.nproc")
-        if nproc > 1:
-            raise SystemExit(launch.run_launcher(launch.torchrun_command(nproc, launch.worker_args(sys.argv[1:]))))
+    code = launch.launch_sample(nproc or params.sample.nproc, sys.argv[1:])
+    if code is not None:  # the launcher ran the sampling in its workers
+        raise SystemExit(code)
     path = run(params, model_dir, out)
     if D.is_main():
         click.echo(f"wrote {path}")
@@ -374,7 +328,7 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
               type=click.Path(dir_okay=False, path_type=Path),
               help="Every metric: KID, IS, per class, every floor value, Inception, the training summary.")
 @click.option("--live", "live_dir", default="reports/train/live", show_default=True, type=click.Path(path_type=Path),
-              help="The training run's dvclive files (final loss and images/s are copied).")
+              help="The training run's dvclive files (the final loss is copied to OUT, every last value to DETAIL).")
 @click.option("--table", "table_out", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the headline and per-class values as an HTML table (for `snakemake --report`).")
 @user_errors

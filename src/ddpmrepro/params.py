@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .model.respace import space_timesteps
+from .respace import space_timesteps
 
 
 class ParamsError(ValueError):
@@ -224,7 +224,7 @@ class SampleParams:
     sampler: str = _f("ddim", choices=("ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "unipc", "heun"),
                       doc="Ancestral DDPM sampling, DDIM, or the fast solvers of docs/SAMPLERS.md: "
                           "DPM-Solver++(2M), its SDE variant, UniPC (bh2) and EDM's Heun.")
-    respacing: str = _f("ddim50", doc="Timesteps to sample on (IDDPM's rule, ddpmrepro/respace.py): '' (all T), "
+    respacing: str = _f("ddim50", doc="Timesteps to sample on (IDDPM's rule, src/ddpmrepro/respace.py): '' (all T), "
                                       "'ddimN' (an integer stride giving exactly N steps), or steps per "
                                       "section like '10,15,20' (each between 1 and its section's length); "
                                       "checked against diffusion.timesteps. ddpm and ddim always sample on "

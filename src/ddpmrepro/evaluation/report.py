@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..training.introspect import read_table  # noqa: E402
+from ..tables import read_table  # noqa: E402  (the training's tables, not its code)
 from ..params import ReportParams  # noqa: E402
 
 MAX_ROWS = 60  # heatmap rows; more parameters are combined per module (norm of the concatenation)

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .respace import space_timesteps  # the kept steps (pure Python, shared with params validation)
+from ..respace import space_timesteps  # the kept steps (pure Python, shared with params validation)
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

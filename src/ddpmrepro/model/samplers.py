@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .diffusion import GaussianDiffusion, get_beta_schedule
-from .respace import space_timesteps
+from ..respace import space_timesteps
 
 SAMPLERS = ("dpmpp_2m", "dpmpp_2m_sde", "unipc", "heun")  # besides diffusion.py's "ddpm" and "ddim"
 SPACINGS = ("logsnr", "time_uniform", "karras", "respacing")

@@ -10,6 +10,9 @@
 
 "torchrun" is `python -m ddpmrepro.runtime.torchrun`: torchrun whose workers die with it and whose failures
 are one line (see torchrun.py). `run_launcher` ties it to this process in turn.
+
+`launch_train` and `launch_sample` are the policy that picks among these cases (and the threads
+per process, and the GPUs or cores this job takes); the CLI only parses its options and calls them.
 """
 from __future__ import annotations
 
@@ -23,6 +26,82 @@ import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+def launch_train(device: str, nproc: int, argv: list[str], *, max_restarts: int = 0, nnodes: int = 1,
+                 node_rank: int | None = None, rdzv: str | None = None) -> int | None:
+    """Starts the processes `ddpmrepro train` needs and returns the launcher's exit code, or None
+    when this process is the one to train (one process, or a worker that torchrun already started).
+
+    :param device: train.device ("auto", "cuda" or "cpu").
+    :param nproc: processes (GPUs) per node.
+    :param argv: this process's CLI arguments (`sys.argv[1:]`); the workers get them without the
+        launcher's own options (`worker_args`).
+    :param nnodes, node_rank, rdzv: a multi-node run without SLURM (checked by the caller).
+    :raises LaunchError: a launch that cannot work as started (one line).
+    """
+    from .distributed import in_launch
+
+    if in_launch():
+        return None
+    args = worker_args(argv)
+    if nnodes > 1:  # several nodes without SLURM: this node's torchrun
+        cmd = static_torchrun_command(nproc, args, nnodes, node_rank, rdzv, max_restarts=max_restarts)
+        if check_devices(device, nproc, claim=False):
+            os.environ["OMP_NUM_THREADS"] = str(node_threads(dict(os.environ), nproc))
+        return run_launcher(cmd)
+    os.environ.update(slurm_allocation(os.environ))  # Snakemake's SLURM job step drops the node list
+    role = srun_role(dict(os.environ))  # raises when srun started one copy per GPU
+    multinode = role == "per-node" or slurm_nodes() > 1
+    # On several nodes SLURM hands out the nodes: no machine-wide slots to claim on this one.
+    on_cpu = check_devices(device, nproc, claim=not multinode)
+    if multinode and on_cpu:  # each node's processes get the threads a one-node run would give them
+        os.environ["OMP_NUM_THREADS"] = str(node_threads(dict(os.environ), nproc))
+    if role == "per-node":
+        return run_launcher(node_torchrun_command(nproc, args, dict(os.environ), max_restarts=max_restarts))
+    if slurm_nodes() > 1:
+        return run_launcher(srun_torchrun_command(nproc, args, dict(os.environ), max_restarts=max_restarts), srun=True)
+    if nproc > 1:
+        return run_launcher(torchrun_command(nproc, args, max_restarts=max_restarts))
+    return None
+
+
+def launch_sample(nproc: int, argv: list[str]) -> int | None:
+    """Starts the processes `ddpmrepro sample` needs (one node: the images are sharded over its
+    ranks) and returns the launcher's exit code, or None when this process samples."""
+    from .distributed import in_launch
+
+    if in_launch():
+        return None
+    if srun_role(dict(os.environ)) != "once":
+        raise LaunchError("ddpmrepro sample runs on one node: start it once, not with srun on several nodes")
+    check_devices("auto", nproc, key="sample.nproc")
+    if nproc > 1:
+        return run_launcher(torchrun_command(nproc, worker_args(argv)))
+    return None
+
+
+def check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: bool = True) -> bool:
+    """On GPUs: fails when nproc is more than the visible GPUs, and (claim) takes GPUs that no
+    concurrent ddpmrepro job on this machine uses (gpu_slots narrows CUDA_VISIBLE_DEVICES).
+    On CPU: (claim) takes this job's cores (cpu_slots). True when the run is on CPU."""
+    import torch
+
+    from . import cpu_slots, gpu_slots
+
+    # device_count() asks NVML and leaves CUDA uninitialised (is_available() would initialise it),
+    # so the CUDA_VISIBLE_DEVICES set by gpu_slots still applies to a run in this very process.
+    have = torch.cuda.device_count()
+    if device == "cpu" or (device == "auto" and have == 0):
+        if claim:
+            cpu_slots.claim(nproc)
+        return True
+    if nproc > have:
+        raise LaunchError(f"{key}={nproc} processes need {nproc} GPUs but {have} are visible; "
+                          f"lower {key} or set CUDA_VISIBLE_DEVICES")
+    if claim:
+        gpu_slots.claim(nproc, device_count=have)
+    return False
 
 
 def slurm_nodes() -> int:

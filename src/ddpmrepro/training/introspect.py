@@ -9,8 +9,9 @@ Three pieces, all driven from the training loop (the model knows nothing of them
   outputs (and, optionally, the first tensor input) of the selected modules. Each hook reduces the
   gradient on the device to (sum, sum of squares, nonzero count, max|g|) and optionally a histogram
   of log10|g|; nothing is kept between steps except those few numbers.
-* `TableWriter`: rank 0 only; fixed-schema parquet tables written in chunks, a TSV for `dvc plots`,
-  safetensors dumps; a resumed run drops the rows of steps it is about to redo.
+* `TableWriter` (in `ddpmrepro/tables.py`, re-exported here): rank 0 only; fixed-schema parquet
+  tables written in chunks, a TSV for `dvc plots`, safetensors dumps; a resumed run drops the rows
+  of steps it is about to redo.
 
 See docs/INTROSPECTION.md for the semantics of every column.
 """
@@ -19,61 +20,18 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import os
 import re
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 from torch import nn
 
+# The tables' format lives below training, where the report stage reads it too; re-exported here
+# because the loop (and the tests) know the writer as `introspect.TableWriter`.
+from ..tables import (ACT_GRADS_SCHEMA, PARAM_GRADS_SCHEMA, SCHEMAS, STEPS_SCHEMA, TSV_COLUMNS,  # noqa: F401
+                      TableWriter, read_table)
+
 log = logging.getLogger(__name__)
-
-# --- schemas ----------------------------------------------------------------------------------
-
-PARAM_GRADS_SCHEMA = pa.schema([
-    ("step", pa.int64()),
-    ("name", pa.string()),          # parameter name as in model.named_parameters()
-    ("shape", pa.string()),         # "64x32x3x3"; "" for a 0-d parameter
-    ("numel", pa.int64()),
-    ("grad_norm", pa.float64()),    # ||p.grad||_2 after all-reduce and unscale, before clipping; NaN if grad is None
-    ("param_norm", pa.float64()),   # ||p||_2 before the optimizer step
-    ("update_ratio", pa.float64()), # ||p_after - p_before||_2 / ||p_before||_2; NaN if not measured
-])
-STEPS_SCHEMA = pa.schema([
-    ("step", pa.int64()),
-    ("total_grad_norm", pa.float64()),     # global norm over all parameters, as given by the loop
-    ("selected_grad_norm", pa.float64()),  # norm over the recorded parameters only
-    ("clip_threshold", pa.float64()),      # NaN or 0 when clipping is off
-    ("clipped", pa.bool_()),
-    ("skipped", pa.bool_()),               # optimizer step skipped (non-finite grads under GradScaler)
-    ("loss_scale", pa.float64()),          # 1.0 without GradScaler
-    ("lr", pa.float64()),
-])
-ACT_GRADS_SCHEMA = pa.schema([
-    ("step", pa.int64()),
-    ("module", pa.string()),
-    ("tensor", pa.string()),        # "output" | "input" (first positional tensor argument)
-    ("reduction", pa.string()),     # "global" | "per_rank" | "local" (see ActivationGradRecorder)
-    ("rank", pa.int32()),           # -1 for "global", else the rank the numbers come from
-    ("world_size", pa.int32()),
-    ("calls", pa.int32()),          # gradients received: microbatches x calls per forward (x ranks if global)
-    ("numel", pa.int64()),          # elements over all those gradients
-    ("l2", pa.float64()),           # of the concatenation of all those gradients
-    ("mean", pa.float64()),
-    ("std", pa.float64()),          # population std
-    ("absmax", pa.float64()),
-    ("zero_frac", pa.float64()),
-    ("hist", pa.list_(pa.int64())), # counts of log10|g| in histogram_bins equal bins on [hist_lo, hist_hi]; [] if off
-    ("hist_lo", pa.float64()),
-    ("hist_hi", pa.float64()),
-])
-SCHEMAS = {"param_grads": PARAM_GRADS_SCHEMA, "steps": STEPS_SCHEMA, "act_grads": ACT_GRADS_SCHEMA}
-TSV_COLUMNS = ("step", "total_grad_norm", "clip_threshold", "clipped", "skipped", "loss_scale", "lr")
-
 
 # --- selection --------------------------------------------------------------------------------
 
@@ -449,144 +407,3 @@ class ActivationGradRecorder:
 def _group_device(group) -> torch.device:
     backend = torch.distributed.get_backend(group)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-
-# --- tables -----------------------------------------------------------------------------------
-
-_PART = re.compile(r"part-(\d{9})-(\d{9})\.parquet")
-
-
-class TableWriter:
-    """Fixed-schema parquet tables under `out_dir`, one directory per table, one file per chunk.
-
-    Layout: `param_grads/`, `steps/`, `act_grads/` hold `part-<first step>-<last step>.parquet`
-    (read a whole table with `pandas.read_parquet(out_dir / "param_grads")`); `steps.tsv` is the
-    per-step summary for `dvc plots`; `dumps/step-<step>.safetensors` the full-gradient dumps.
-    Construct it on rank 0 only. Steps count completed updates (1 = the first). `start_step` is
-    the step of the checkpoint this process resumes from (0 for a fresh start): everything
-    recorded for later steps (by a run that crashed after its last checkpoint, or by an earlier
-    run when start_step is 0) is removed, so no step appears twice; rows up to and including
-    `start_step` belong to the checkpoint and are kept.
-    """
-
-    def __init__(self, out_dir: str | Path, *, start_step: int, flush_every: int = 250, max_rows: int = 10_000):
-        self.out_dir = Path(out_dir)
-        self.flush_every = flush_every
-        # A row budget as well as a step budget: recording every step buffers ~200 rows a step, and
-        # thousands of small Arrow tables held until a 250-step flush grew the process by ~50 MB
-        # (allocator pages, not rows: the buffer itself was < 5 MB). Flushing at 10k rows kept the
-        # peak growth under 20 MB (benchmarks/introspect_overhead.py); files stay ~100 KB or more.
-        self.max_rows = max_rows
-        self._rows = 0
-        self._buf: dict[str, list[pa.Table]] = {t: [] for t in SCHEMAS}  # arrow, not dicts: ~50x smaller
-        self._tsv_buf: list[str] = []
-        first = start_step + 1  # the first step this process records
-        self._last_flush = first  # first step not yet flushed
-        self._last_step = start_step
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._truncate(first)
-
-    def _truncate(self, from_step: int) -> None:
-        """Removes every row, TSV line and dump of a step >= from_step."""
-        for table, schema in SCHEMAS.items():
-            d = self.out_dir / table
-            d.mkdir(exist_ok=True)
-            for f in sorted(d.iterdir()):
-                m = _PART.fullmatch(f.name)
-                if not m:  # a temp file left by a crash
-                    if f.name.startswith("."):
-                        f.unlink()
-                    continue
-                first, last = int(m[1]), int(m[2])
-                if first >= from_step:
-                    f.unlink()
-                elif last >= from_step:
-                    t = pq.read_table(f, schema=schema)
-                    t = t.filter(pc.less(t["step"], from_step))
-                    steps = t["step"].to_pylist()
-                    self._write_part(table, t, min(steps), max(steps))
-                    f.unlink()
-        tsv = self.out_dir / "steps.tsv"
-        keep = ["\t".join(TSV_COLUMNS) + "\n"]
-        if tsv.exists():
-            for ln in tsv.read_text().splitlines(keepends=True)[1:]:
-                fields = ln.rstrip("\n").split("\t")
-                if ln.endswith("\n") and len(fields) == len(TSV_COLUMNS) and int(fields[0]) < from_step:
-                    keep.append(ln)  # (a line cut short by a crash is dropped)
-        _atomic_write(tsv, "".join(keep).encode())
-        dumps = self.out_dir / "dumps"
-        if dumps.exists():
-            for f in dumps.glob("step-*.safetensors"):
-                if int(f.stem.split("-")[1]) >= from_step:
-                    f.unlink()
-
-    def _write_part(self, table: str, t: pa.Table, first: int, last: int) -> None:
-        path = self.out_dir / table / f"part-{first:09d}-{last:09d}.parquet"
-        tmp = path.with_name("." + path.name + ".tmp")
-        pq.write_table(t, tmp)
-        os.replace(tmp, path)
-
-    def add(self, step: int, *, params: list[dict] | None = None, summary: dict | None = None,
-            activations: list[dict] | None = None, dumps: dict[str, torch.Tensor] | None = None,
-            dump_metadata: dict[str, str] | None = None) -> None:
-        """Buffers one step's rows; flushes when `flush_every` steps have passed since the last flush
-        or `max_rows` rows are buffered."""
-        self._last_step = max(self._last_step, step)
-        for table, rows in (("param_grads", params), ("act_grads", activations), ("steps", [summary] if summary else None)):
-            if rows:
-                self._buf[table].append(pa.Table.from_pylist(rows, schema=SCHEMAS[table]))
-                self._rows += len(rows)
-        if summary is not None:
-            self._tsv_buf.append("\t".join(_tsv_value(summary[c]) for c in TSV_COLUMNS) + "\n")
-        if dumps:
-            from safetensors.torch import save_file
-            (self.out_dir / "dumps").mkdir(exist_ok=True)
-            path = self.out_dir / "dumps" / f"step-{step:09d}.safetensors"
-            save_file({k: v.contiguous() for k, v in dumps.items()}, str(path),
-                      metadata={"step": str(step), **(dump_metadata or {})})
-        if step + 1 - self._last_flush >= self.flush_every or self._rows >= self.max_rows:
-            self.flush()
-
-    def flush(self) -> None:
-        """Writes everything buffered as one chunk per table (call it before saving a checkpoint)."""
-        for table, parts in self._buf.items():
-            if parts:
-                t = pa.concat_tables(parts)
-                lo, hi = pc.min_max(t["step"]).values()
-                self._write_part(table, t, lo.as_py(), hi.as_py())
-                parts.clear()
-        self._rows = 0
-        if self._tsv_buf:
-            with open(self.out_dir / "steps.tsv", "a") as f:
-                f.writelines(self._tsv_buf)
-            self._tsv_buf.clear()
-        self._last_flush = self._last_step + 1
-
-    def close(self) -> None:
-        self.flush()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _tsv_value(v) -> str:
-    if isinstance(v, bool):
-        return str(int(v))
-    return repr(float(v)) if isinstance(v, float) else str(v)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def read_table(out_dir: str | Path, table: str):
-    """The whole table as a pandas DataFrame (empty, with the schema's columns, if nothing was written)."""
-    d = Path(out_dir) / table
-    if d.exists() and any(_PART.fullmatch(f.name) for f in d.iterdir()):
-        return pq.read_table(d, schema=SCHEMAS[table]).to_pandas()
-    return SCHEMAS[table].empty_table().to_pandas()

@@ -35,6 +35,7 @@ from ..params import Params, ParamsError
 from ..runtime import distributed as D
 from . import checkpoint as ckpt
 from .batches import TrainBatches, TrainExamples, step_seed
+from .code_version import code_version
 from .ema import EMA
 from .nonfinite import NonfiniteSteps
 from .recording import Introspection
@@ -61,28 +62,6 @@ class TrainPaths:
     live_dir: Path
     introspect_dir: Path
     checkpoint_root: Path
-
-
-# The code that trains, relative to the package: exactly the train stage's code deps in dvc.yaml
-# (a test keeps the two equal, and equal to what the stage imports). model/ file by file: training
-# does not import the samplers, so a change to them must not stop a checkpoint from resuming (the
-# files are hashed in the order model/'s rglob gave them).
-TRAIN_CODE = ("__init__.py", "cli.py", "files.py", "params.py", "data", "interop", "model/__init__.py",
-              "model/diffusion.py", "model/respace.py", "model/superres.py", "model/unet.py", "runtime", "training")
-
-
-def code_version() -> str:
-    """sha256 over TRAIN_CODE's sources: a checkpoint resumes only under the same code."""
-    import hashlib
-
-    root = Path(__file__).resolve().parents[1]  # src/ddpmrepro
-    h = hashlib.sha256()
-    for name in TRAIN_CODE:
-        files = sorted((root / name).rglob("*.py")) if (root / name).is_dir() else [root / name]
-        for f in files:
-            h.update(f.relative_to(root).as_posix().encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def run_hash(params: Params, data_digest: str) -> str:

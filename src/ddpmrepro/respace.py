@@ -1,8 +1,11 @@
 """Which timesteps a respaced sampler keeps (IDDPM's `space_timesteps`), and what strings are allowed.
 
-Pure Python on purpose: params.py checks `sample.respacing` against `diffusion.timesteps` with this
-very function when params.yaml is loaded, so the rule that validates is the rule that respaces, and
-loading params never imports torch. `diffusion.from_params` turns the kept steps into a process.
+Pure Python on purpose, and at the bottom of the package beside params.py: params.py checks
+`sample.respacing` against `diffusion.timesteps` with this very function when params.yaml is loaded,
+and `model/diffusion.py` and `model/samplers.py` respace with it, so the rule that validates is the
+rule that respaces. Here rather than in `model/`, params.py imports nothing above itself: loading
+params never imports torch, and a stage that reads params does not depend on (and rerun for) the
+model's code. `diffusion.from_params` turns the kept steps into a process.
 
 Published IDDPM numbers were sampled with improved-diffusion's rule, so ours reproduces its output
 for every string it accepts, float quirks included (see `_section`). Strings that it would turn
