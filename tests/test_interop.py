@@ -126,14 +126,14 @@ def test_an_imported_improved_diffusion_model_samples_what_its_own_sampler_sampl
     from improved_diffusion_for_SMLM.improved_diffusion.script_util import create_gaussian_diffusion
 
     from ddpmrepro.evaluation.sample import load_model
-    from ddpmrepro.files import sha256_file
+    from ddpmrepro.files import sha256
 
     root, theirs, pt = small_id
     monkeypatch.chdir(root)
     result = cli("import", str(pt), "--format", "improved-diffusion", "--out", "models/iddpm", "--data", "data")
     assert result.exit_code == 0, result.output
     config = json.loads((root / "models/iddpm/config.json").read_text())
-    assert config["source"]["sha256"] == sha256_file(pt) and config["ema_rates"] == [0.9999]
+    assert config["source"]["sha256"] == sha256(pt) and config["ema_rates"] == [0.9999]
     assert config["params"]["diffusion"]["rescale_timesteps"] is True
     assert config["architecture"] == {**config["architecture"], "channels": 32, "num_heads": 2, "class_cond": False,
                                       "scale_shift_norm": True, "time_embedding": "iddpm"}

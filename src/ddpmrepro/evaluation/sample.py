@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -170,19 +169,14 @@ def write_samples(out_dir: Path, images: np.ndarray, labels: np.ndarray, seeds: 
     image, which evaluate copies into the metrics), swapped into place together."""
     from ..params import save_resolved
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    buf = io.BytesIO()
-    np.savez(buf, images=images, labels=labels.astype(np.int64), seeds=seeds)
-    files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
-    save_grid(images, labels, class_names, tmp / "grid.png")
-    save_resolved(params, tmp / "params.yaml", sections=("sample",))
-    if sampling is not None:
-        files.atomic_write_text(tmp / "sampling.json", json.dumps(sampling, indent=2) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    with files.replacing_dir(out_dir) as tmp:
+        buf = io.BytesIO()
+        np.savez(buf, images=images, labels=labels.astype(np.int64), seeds=seeds)
+        files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
+        save_grid(images, labels, class_names, tmp / "grid.png")
+        save_resolved(params, tmp / "params.yaml", sections=("sample",))
+        if sampling is not None:
+            files.atomic_write_text(tmp / "sampling.json", json.dumps(sampling, indent=2) + "\n")
 
 
 def save_grid(images: np.ndarray, labels: np.ndarray, class_names, path: Path, per_row: int = 10) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,6 +28,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from torch import nn
+
+from .. import files
 
 log = logging.getLogger(__name__)
 
@@ -513,7 +514,7 @@ class TableWriter:
                 fields = ln.rstrip("\n").split("\t")
                 if ln.endswith("\n") and len(fields) == len(TSV_COLUMNS) and int(fields[0]) < from_step:
                     keep.append(ln)  # (a line cut short by a crash is dropped)
-        _atomic_write(tsv, "".join(keep).encode())
+        files.atomic_write_text(tsv, "".join(keep))
         dumps = self.out_dir / "dumps"
         if dumps.exists():
             for f in dumps.glob("step-*.safetensors"):
@@ -522,9 +523,7 @@ class TableWriter:
 
     def _write_part(self, table: str, t: pa.Table, first: int, last: int) -> None:
         path = self.out_dir / table / f"part-{first:09d}-{last:09d}.parquet"
-        tmp = path.with_name("." + path.name + ".tmp")
-        pq.write_table(t, tmp)
-        os.replace(tmp, path)
+        files.atomic_write(path, lambda tmp: pq.write_table(t, tmp))
 
     def add(self, step: int, *, params: list[dict] | None = None, summary: dict | None = None,
             activations: list[dict] | None = None, dumps: dict[str, torch.Tensor] | None = None,
@@ -539,11 +538,9 @@ class TableWriter:
         if summary is not None:
             self._tsv_buf.append("\t".join(_tsv_value(summary[c]) for c in TSV_COLUMNS) + "\n")
         if dumps:
-            from safetensors.torch import save_file
             (self.out_dir / "dumps").mkdir(exist_ok=True)
             path = self.out_dir / "dumps" / f"step-{step:09d}.safetensors"
-            save_file({k: v.contiguous() for k, v in dumps.items()}, str(path),
-                      metadata={"step": str(step), **(dump_metadata or {})})
+            files.save_weights(dumps, path, metadata={"step": str(step), **(dump_metadata or {})})
         if step + 1 - self._last_flush >= self.flush_every or self._rows >= self.max_rows:
             self.flush()
 
@@ -576,12 +573,6 @@ def _tsv_value(v) -> str:
     if isinstance(v, bool):
         return str(int(v))
     return repr(float(v)) if isinstance(v, float) else str(v)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def read_table(out_dir: str | Path, table: str):

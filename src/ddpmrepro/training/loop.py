@@ -507,8 +507,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             writer.close()
             live.end()
             _export(paths.model_dir, raw_model, emas, params, manifest, version, run_id, summary)
-            _replace_dir(work_live, paths.live_dir)
-            _replace_dir(work_tables, paths.introspect_dir)
+            files.copy_dir(work_live, paths.live_dir)
+            files.copy_dir(work_tables, paths.introspect_dir)
         D.barrier()
     D.cleanup()
     return summary
@@ -549,36 +549,17 @@ def _without_timing(summary: dict) -> dict:
 
 
 def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary) -> None:
-    import shutil
-
-    tmp = model_dir.with_name(f".{model_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    files.save_weights(raw_model.state_dict(), tmp / "model.safetensors")
-    for rate, ema in emas.items():
-        files.save_weights(ema, tmp / files.ema_filename(rate))
     config = {
         "params": params.to_dict(), "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels",
                                                                         "class_names")},
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
         "ema_rates": list(emas), "final": _without_timing(summary), "torch": torch.__version__,
     }
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
-    tmp.rename(model_dir)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Copies src to dst through a temp sibling, so dst is either old or complete."""
-    import shutil
-
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    if dst.exists():
-        shutil.rmtree(dst)
-    tmp.rename(dst)
+    with files.replacing_dir(model_dir) as tmp:
+        files.save_weights(raw_model.state_dict(), tmp / "model.safetensors")
+        for rate, ema in emas.items():
+            files.save_weights(ema, tmp / files.ema_filename(rate))
+        files.atomic_write_text(tmp / "config.json", json.dumps(config, indent=2))
 
 
 def _progress(main: bool, start: int, total: int):
