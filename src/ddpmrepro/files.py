@@ -263,7 +263,3 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except Exception as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0][:200]}); retrain or restore it with `dvc checkout`") from None
-
-
-def ema_filename(rate: float) -> str:
-    return f"ema_{rate:g}.safetensors"

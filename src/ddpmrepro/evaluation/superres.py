@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from .. import files
 from ..data import load_prepared, to_model_range, to_uint8
 from ..model.superres import augment, bicubic_upsample, downsample
+from ..model_dir import load_model
 from ..params import Params, ParamsError
-from .sample import bind_labels, image_seed, load_model, process, run_sampler, save_grid
+from .sample import bind_labels, image_seed, process, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).

@@ -3,8 +3,9 @@
 An imported directory is what `train` exports, so `sample`, `evaluate` and the DVC stages read it
 unchanged: `<ema_rate>` weights as safetensors and a `config.json` holding the resolved params (its
 `model:` and `diffusion:` sections describe the imported network), the data it is evaluated on, and
-`source` (format, file name, sha256) where `train` would record its data and code. Nothing is
-written unless the whole conversion succeeded (`files.replacing_dir`).
+`source` (format, file name, sha256) where `train` would record its data and code. The format is
+`ddpmrepro.model_dir`'s, which writes the directory whole: nothing is written unless the whole
+conversion succeeded.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from .. import files
 from ..data.prepared import read_manifest
 from ..model.unet import PRESETS, SHARED_DEFAULTS, build_unet
+from ..model_dir import data_section, load_model, write_model
 from ..params import Params, from_dict
 from . import ConversionError
 from . import diffusers_unet as DF
@@ -115,7 +117,7 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
         # The architecture as built (preset, overrides and defaults resolved), for a reader without the code.
         "architecture": {**SHARED_DEFAULTS, **PRESETS[params.model.preset], **params.model.overrides(),
                          "class_cond": params.model.class_cond},
-        "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels", "class_names")},
+        "data": data_section(manifest),
         "ema_rates": [rate] if rate else [],
         "source": {"format": fmt, "file": weights_path.name, "sha256": files.sha256(weights_path),
                    **({"attention_order": attention_order} if fmt != "diffusers" else {}),
@@ -123,9 +125,7 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
                    **({"untrained_null_label": True} if fmt != "diffusers" and params.model.class_cond else {})},
         "torch": torch.__version__,
     }
-    with files.replacing_dir(out) as tmp:
-        files.save_weights(weights, tmp / (files.ema_filename(rate) if rate else "model.safetensors"))
-        files.atomic_write_text(tmp / "config.json", json.dumps(config_out, indent=2))
+    write_model(out, config_out, None if rate else weights, {rate: weights} if rate else {})
     return config_out
 
 
@@ -147,8 +147,6 @@ def export_diffusers(model_dir: Path, out: Path, ema_rate: float) -> dict:
     """Writes a diffusers pipeline folder: `unet/` (UNet2DModel config + safetensors),
     `scheduler/scheduler_config.json` (DDPMScheduler) and `model_index.json` (DDPMPipeline).
     Returns the UNet config. ConversionError if diffusers cannot express the model exactly."""
-    from ..evaluation.sample import load_model
-
     model, trained, config = load_model(Path(model_dir), ema_rate)
     unet_cfg = DF.unet2d_config(model, config["data"]["image_size"])
     sched_cfg = DF.scheduler_config(trained.diffusion)

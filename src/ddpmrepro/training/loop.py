@@ -70,7 +70,7 @@ class TrainPaths:
 # (a test keeps the two equal, and equal to what the stage imports). model/ file by file: training
 # does not import the samplers, so a change to them must not stop a checkpoint from resuming (the
 # files are hashed in the order model/'s rglob gave them).
-TRAIN_CODE = ("__init__.py", "cli.py", "files.py", "params.py", "data", "interop", "model/__init__.py",
+TRAIN_CODE = ("__init__.py", "cli.py", "files.py", "model_dir.py", "params.py", "data", "interop", "model/__init__.py",
               "model/diffusion.py", "model/respace.py", "model/superres.py", "model/unet.py", "runtime", "training")
 
 
@@ -549,17 +549,14 @@ def _without_timing(summary: dict) -> dict:
 
 
 def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary) -> None:
+    from ..model_dir import data_section, write_model
+
     config = {
-        "params": params.to_dict(), "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels",
-                                                                        "class_names")},
+        "params": params.to_dict(), "data": data_section(manifest),
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
         "ema_rates": list(emas), "final": _without_timing(summary), "torch": torch.__version__,
     }
-    with files.replacing_dir(model_dir) as tmp:
-        files.save_weights(raw_model.state_dict(), tmp / "model.safetensors")
-        for rate, ema in emas.items():
-            files.save_weights(ema, tmp / files.ema_filename(rate))
-        files.atomic_write_text(tmp / "config.json", json.dumps(config, indent=2))
+    write_model(model_dir, config, raw_model.state_dict(), emas)
 
 
 def _progress(main: bool, start: int, total: int):
