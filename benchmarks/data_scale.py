@@ -185,7 +185,8 @@ import json, sys, time, numpy as np
 t0 = time.perf_counter()
 from ddpmrepro.data import load_prepared
 from ddpmrepro.training.batches import TrainBatches
-from ddpmrepro.data.verify import Verifier, sha256_file
+from ddpmrepro.data.verify import Verifier
+from ddpmrepro.files import sha256
 t_import = time.perf_counter()
 v = Verifier()
 d = load_prepared(sys.argv[1], verifier=v)
@@ -203,7 +204,7 @@ with TrainBatches(d.train_images, batch_size=int(sys.argv[2]), world=1, rank=0, 
         times.append(time.perf_counter() - s)
 shard = sorted(d.manifest["files"])[0]
 s = time.perf_counter()
-sha256_file(f"{sys.argv[1]}/{shard}")
+sha256(f"{sys.argv[1]}/{shard}")
 one = time.perf_counter() - s
 size = __import__("os").path.getsize(f"{sys.argv[1]}/{shard}")
 print(json.dumps({"import_s": t_import - t0, "load_prepared_s": t_load - t_import, "first_batch_s": t_first - t_load,

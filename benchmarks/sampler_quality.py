@@ -29,7 +29,8 @@ from ddpmrepro import params as P
 from ddpmrepro.data import load_prepared
 from ddpmrepro.evaluation.evaluator import load_evaluator
 from ddpmrepro.evaluation.metrics import feature_metrics
-from ddpmrepro.evaluation.sample import generate, image_seed, load_model, process
+from ddpmrepro.evaluation.sample import generate, image_seed, process
+from ddpmrepro.model_dir import load_model
 from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
 
 SPACING = {"dpmpp_2m": "logsnr", "dpmpp_2m_sde": "logsnr", "unipc": "logsnr", "heun": "karras"}

@@ -26,7 +26,7 @@ import yaml
 from click.testing import CliRunner
 
 from ddpmrepro import params as P
-from ddpmrepro.files import sha256_file
+from ddpmrepro.files import sha256
 from ddpmrepro.training.checkpoint import RunLock, latest_checkpoint, list_checkpoints, save_checkpoint
 from ddpmrepro.cli import main
 from ddpmrepro.data import prepare
@@ -193,7 +193,7 @@ def _set_manifest(d: Path, **changes) -> None:
 
     m = json.loads((d / "manifest.json").read_text())
     m.update(changes)
-    m["files"] = {name: sha256_file(d / name) for name in m["files"]}
+    m["files"] = {name: sha256(d / name) for name in m["files"]}
     for entry in m["splits"].values():
         entry["sha256"] = split_digest(entry["shards"], m["files"])
     (d / "manifest.json").write_text(json.dumps(m))
@@ -347,7 +347,7 @@ def _pickle_payload(path: Path):
     state = torch.load(path, weights_only=True)
     with open(path, "wb") as f:
         torch.save({**state, "extra": Payload(Path.cwd() / "pwned")}, f, pickle_module=pickle)
-    path.with_suffix(".sha256").write_text(sha256_file(path) + "\n")  # even with a matching sidecar
+    path.with_suffix(".sha256").write_text(sha256(path) + "\n")  # even with a matching sidecar
 
 
 def _flip_a_byte(path: Path):

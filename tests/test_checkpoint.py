@@ -36,7 +36,7 @@ def test_pickle_payload_is_never_executed(tmp_path, monkeypatch):
     path = tmp_path / "step_000000001.pt"
     with open(path, "wb") as f:
         torch.save({"evil": Payload()}, f, pickle_module=pickle)
-    (tmp_path / "step_000000001.sha256").write_text(C.sha256_file(path))  # even with a matching sidecar
+    (tmp_path / "step_000000001.sha256").write_text(F.sha256(path))  # even with a matching sidecar
     with pytest.raises(C.CheckpointError, match="refused to load"):
         C.load_checkpoint(path)
     assert not (tmp_path / "pwned").exists()
@@ -108,7 +108,7 @@ def test_a_refused_checkpoint_is_explained_in_our_words(tmp_path, damage):
     else:
         path.write_bytes(b"PK\x03\x04" + bytes(200))  # a zip header, then nothing torch can read
         what = "not a torch checkpoint archive that can be read"
-    (tmp_path / "step_000000001.sha256").write_text(C.sha256_file(path))  # the sidecar matches: the load decides
+    (tmp_path / "step_000000001.sha256").write_text(F.sha256(path))  # the sidecar matches: the load decides
     with pytest.raises(C.CheckpointError) as info:
         C.load_checkpoint(path)
     message = str(info.value)

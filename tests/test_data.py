@@ -6,6 +6,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import pickle
 import time
 import warnings
@@ -16,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from ddpmrepro import files
 from ddpmrepro.data import DataError, load_prepared, prepare, prepared, shards, sources, to_model_range, to_uint8
 from ddpmrepro.params import DataParams
 from fake_datasets import CIFAR10_NAMES, fake_cifar10, fake_image_folder, fake_mnist, py2_pickle, write_idx
@@ -144,16 +146,24 @@ def test_failure_midway_leaves_old_output(existing, monkeypatch):
     assert len(calls) == 3  # it failed after two shard files were complete
 
 
-def test_failure_in_swap_restores_old_output(existing, monkeypatch):
-    real, calls = prepared.os.replace, []
+@pytest.mark.parametrize("exchange", [True, False])
+def test_failure_in_swap_restores_old_output(existing, monkeypatch, exchange):
+    """The swap of the finished directory fails: the old output stays, the new one is removed."""
+    if exchange:
+        def flaky_exchange(a, b):
+            raise OSError("exchange failed (simulated)")
+        monkeypatch.setattr(files, "_exchange", flaky_exchange)
+    else:  # the fallback: old aside, new in (fails), old back
+        real, calls = os.rename, []
 
-    def flaky(src, dst):
-        calls.append(dst)
-        if len(calls) == 2:  # moving the new directory into place
-            raise OSError("rename failed (simulated)")
-        real(src, dst)
+        def flaky(src, dst):
+            calls.append(dst)
+            if len(calls) == 2:  # moving the new directory into place
+                raise OSError("rename failed (simulated)")
+            real(src, dst)
 
-    monkeypatch.setattr(prepared.os, "replace", flaky)
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(os, "rename", flaky)
     with pytest.raises(OSError, match="simulated"):
         prepare(DataParams(split_seed=7), existing)
 

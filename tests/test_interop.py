@@ -149,15 +149,15 @@ def small_id(tmp_path_factory, one_thread):
 def test_an_imported_improved_diffusion_model_samples_what_its_own_sampler_samples(small_id, monkeypatch):
     from improved_diffusion_for_SMLM.improved_diffusion.script_util import create_gaussian_diffusion
 
-    from ddpmrepro.evaluation.sample import load_model
-    from ddpmrepro.files import sha256_file
+    from ddpmrepro.model_dir import load_model
+    from ddpmrepro.files import sha256
 
     root, theirs, pt = small_id
     monkeypatch.chdir(root)
     result = cli("import", str(pt), "--format", "improved-diffusion", "--out", "models/iddpm", "--data", "data")
     assert result.exit_code == 0, result.output
     config = json.loads((root / "models/iddpm/config.json").read_text())
-    assert config["source"]["sha256"] == sha256_file(pt) and config["ema_rates"] == [0.9999]
+    assert config["source"]["sha256"] == sha256(pt) and config["ema_rates"] == [0.9999]
     assert config["params"]["diffusion"]["rescale_timesteps"] is True
     assert config["architecture"] == {**config["architecture"], "channels": 32, "num_heads": 2, "class_cond": False,
                                       "scale_shift_norm": True, "time_embedding": "iddpm"}
@@ -409,7 +409,7 @@ def diffusers_class_conditional_ddim(unet, scheduler, labels, guidance: float, s
 
 
 def test_a_class_conditional_export_samples_in_diffusers_as_in_ddpmrepro(tiny_model_dir, tmp_path, monkeypatch):
-    from ddpmrepro.evaluation.sample import load_model
+    from ddpmrepro.model_dir import load_model
     from ddpmrepro.model.diffusion import guided_model_fn
 
     monkeypatch.chdir(tiny_model_dir)

@@ -1,35 +1,55 @@
 """Files that must never be seen half-written, and weight files read as untrusted input.
 
-Every output of the pipeline goes through `atomic_write_bytes` (temp file, fsync, rename, fsync of
-the directory), so a kill leaves the old file or the new one, never a torn one. Exported weights are
-safetensors: loading one runs no code, whatever the file holds.
+One way for each kind of write, so every output has the same guarantee:
+
+- a file: `atomic_write` (temp sibling, fsync, rename, fsync of the directory): a kill leaves the old
+  file or the new one, never a torn one, and a power loss after it returns loses neither;
+- a directory: `replacing_dir` / `replace_dir` (written in a temp sibling, fsynced, swapped in
+  whole): at every instant the path holds the complete old directory or the complete new one;
+- a file's identity: `sha256`.
+
+Exported weights are safetensors: loading one runs no code, whatever the file holds. torch and
+safetensors are imported only by the functions that need them, so the stages that write no weights
+(check-params, prepare) do not pay for importing torch.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import functools
 import hashlib
 import os
 import re
+import shutil
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
-from safetensors.torch import load_file, save_file
+if TYPE_CHECKING:
+    import torch
 
-TEMP_FILE = re.compile(r"^\..+\.tmp\.(\d+)$")  # atomic_write_bytes's `.<name>.tmp.<writer pid>`
+TEMP_FILE = re.compile(r"^\..+\.tmp\.(\d+)$")  # atomic_write's `.<name>.tmp.<writer pid>`
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message says which file and what to do."""
 
 
-def sha256_file(path: Path) -> str:
+def sha256(path: Path, chunk: int = 4 << 20) -> str:
+    """sha256 of a file, read in 4 MiB blocks into one buffer (hashlib releases the GIL on each
+    block, so threads hashing several files overlap)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
+    """Makes the directory's entries (a rename, a new file) survive a power loss."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -37,47 +57,209 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, write) -> None:
-    """Calls write(file) on a temp file in the same directory, fsyncs and renames it into place."""
+# --- one file --------------------------------------------------------------------------------------
+
+
+def atomic_write(path: Path, write_to: Callable[[Path], None]) -> None:
+    """Puts a file in place atomically: `write_to(tmp)` writes the temp sibling `.<name>.tmp.<pid>`
+    (by path, for writers that open it themselves), which is then fsynced and renamed over `path`.
+
+    The pid in the name lets `training.checkpoint.remove_stale_temp_files` tell a dead writer's
+    leftover from a live one's; one process writes a given path from one thread at a time.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
+        write_to(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: Path, write) -> None:
+    """`atomic_write` for writers of an open binary file: `write(f)`."""
+    def write_to(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            write(f)
+    atomic_write(path, write_to)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, lambda f: f.write(text.encode()))
 
 
+# --- one directory ---------------------------------------------------------------------------------
+#
+# Names beside an output `<name>`: `.<name>.tmp` is where the new one is written (garbage unless a
+# writer is running); `.<name>.old` holds the complete old one during the fallback swap only, and
+# is never deleted under that name, so `recover_dir` can trust it; `.<name>.trash` is an old one
+# being deleted.
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+AT_FDCWD = -100
+# What renameat2 answers where the kernel or the file system cannot exchange (NFS, some FUSE).
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def temp_dir(dst: Path) -> Path:
+    return Path(dst).with_name(f".{Path(dst).name}.tmp")
+
+
+def aside_dir(dst: Path) -> Path:
+    return Path(dst).with_name(f".{Path(dst).name}.old")
+
+
+def trash_dir(dst: Path) -> Path:
+    return Path(dst).with_name(f".{Path(dst).name}.trash")
+
+
+@contextlib.contextmanager
+def replacing_dir(dst: Path) -> Iterator[Path]:
+    """Yields an empty temp sibling of `dst` to write the new directory into; when the block
+    finishes, it replaces `dst` whole (`replace_dir`). An exception, in the block or in the swap,
+    removes it and leaves `dst` as it was.
+
+    One writer per output at a time (DVC's and the run's locks see to that): a second one would
+    start by deleting the first one's temp directory.
+    """
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(dst)  # the old output back in place while the new one is written
+    tmp = temp_dir(dst)
+    _remove(tmp)  # a killed writer's leftover
+    tmp.mkdir()
+    try:
+        yield tmp
+        replace_dir(tmp, dst)
+    except BaseException:
+        # Never the only copy of the output: the new one not yet in place, or the old one swapped out.
+        _remove(tmp)
+        raise
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Puts the fully written directory `src` (a sibling of `dst`) at `dst`, and removes the old one.
+
+    Guarantee, for a kill or a power loss at any instant: on Linux (renameat2 with RENAME_EXCHANGE:
+    ext4, xfs, btrfs, tmpfs...) `dst` is the complete old directory or the complete new one, and a
+    reader never finds it missing. Elsewhere (another OS, or a file system that cannot exchange) the
+    old one is renamed aside to `.<name>.old` and the new one renamed in: between those two renames
+    `dst` is missing while the complete old one is at `.<name>.old`; `recover_dir` (called first by
+    every `replace_dir`, and by the readers of the model directory) renames it back.
+    """
+    src, dst = Path(src), Path(dst)
+    recover_dir(dst)
+    trash = trash_dir(dst)
+    _remove(trash)  # what a kill left of an earlier delete
+    _fsync_tree(src)
+    fsync_dir(dst.parent)  # src's own entry, before anything depends on it
+    if not os.path.lexists(dst):
+        os.rename(src, dst)
+        fsync_dir(dst.parent)
+        return
+    if _exchange(src, dst):
+        os.rename(src, trash)  # src now holds the old directory
+    else:
+        aside = aside_dir(dst)
+        os.rename(dst, aside)
+        try:
+            os.rename(src, dst)
+        except BaseException:
+            os.rename(aside, dst)  # the old one back (after a kill here, recover_dir does it)
+            raise
+        os.rename(aside, trash)
+    fsync_dir(dst.parent)
+    _remove(trash)
+
+
+def recover_dir(dst: Path) -> None:
+    """After a kill inside the fallback swap of `replace_dir`: puts the complete old directory back
+    at `dst` if `dst` is missing, or drops the stale aside copy if the new one made it in.
+    Does nothing in the usual case (no `.<name>.old`)."""
+    dst, aside = Path(dst), aside_dir(dst)
+    if not aside.is_dir():
+        return
+    if not os.path.lexists(dst):
+        os.rename(aside, dst)
+    else:
+        trash = trash_dir(dst)
+        _remove(trash)
+        os.rename(aside, trash)
+        _remove(trash)
+    fsync_dir(dst.parent)
+
+
+def copy_dir(src: Path, dst: Path) -> None:
+    """Replaces `dst` with a copy of `src` (kept), with `replace_dir`'s guarantee."""
+    with replacing_dir(dst) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps two existing paths in one step; False where that cannot be done here (then nothing moved)."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+@functools.cache
+def _renameat2():
+    """glibc's renameat2 (2.28 and later), or None (another OS or libc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsyncs every file and directory under `root` (files first, each directory after its entries)."""
+    for directory, _, names in os.walk(root, topdown=False):
+        for name in names:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(Path(directory))
+
+
+def _remove(path: Path) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+# --- weights ---------------------------------------------------------------------------------------
+
+
 def save_weights(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """Writes a flat name -> tensor dict as safetensors, atomically."""
+    from safetensors.torch import save_file
+
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     if not Path(path).exists():
         raise CheckpointError(f"{path}: not found; run `dvc repro train` (or `ddpmrepro train`) first")
     try:
         return load_file(str(path))
     except Exception as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0][:200]}); retrain or restore it with `dvc checkout`") from None
-
-
-def ema_filename(rate: float) -> str:
-    return f"ema_{rate:g}.safetensors"

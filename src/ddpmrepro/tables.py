@@ -4,19 +4,20 @@ Training writes these tables (`training/introspect.py` records the rows, `traini
 them to a `TableWriter` on rank 0) and the report stage reads them (`evaluation/report.py`). The
 format is shared by both, so it lives here, below both: the report reads with the schema that
 wrote, without importing the training code (nor rerunning, under DVC, when that code changes).
-Only pyarrow; safetensors (for the gradient dumps) is imported when a dump is written.
+pyarrow, and files.py's atomic writes (safetensors for the gradient dumps).
 
 See docs/INTROSPECTION.md for the semantics of every column.
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from . import files
 
 # --- schemas ----------------------------------------------------------------------------------
 
@@ -123,7 +124,7 @@ class TableWriter:
                 fields = ln.rstrip("\n").split("\t")
                 if ln.endswith("\n") and len(fields) == len(TSV_COLUMNS) and int(fields[0]) < from_step:
                     keep.append(ln)  # (a line cut short by a crash is dropped)
-        _atomic_write(tsv, "".join(keep).encode())
+        files.atomic_write_text(tsv, "".join(keep))
         dumps = self.out_dir / "dumps"
         if dumps.exists():
             for f in dumps.glob("step-*.safetensors"):
@@ -132,9 +133,7 @@ class TableWriter:
 
     def _write_part(self, table: str, t: pa.Table, first: int, last: int) -> None:
         path = self.out_dir / table / f"part-{first:09d}-{last:09d}.parquet"
-        tmp = path.with_name("." + path.name + ".tmp")
-        pq.write_table(t, tmp)
-        os.replace(tmp, path)
+        files.atomic_write(path, lambda tmp: pq.write_table(t, tmp))
 
     def add(self, step: int, *, params: list[dict] | None = None, summary: dict | None = None,
             activations: list[dict] | None = None, dumps: dict[str, "torch.Tensor"] | None = None,
@@ -149,11 +148,9 @@ class TableWriter:
         if summary is not None:
             self._tsv_buf.append("\t".join(_tsv_value(summary[c]) for c in TSV_COLUMNS) + "\n")
         if dumps:
-            from safetensors.torch import save_file
             (self.out_dir / "dumps").mkdir(exist_ok=True)
             path = self.out_dir / "dumps" / f"step-{step:09d}.safetensors"
-            save_file({k: v.contiguous() for k, v in dumps.items()}, str(path),
-                      metadata={"step": str(step), **(dump_metadata or {})})
+            files.save_weights(dumps, path, metadata={"step": str(step), **(dump_metadata or {})})
         if step + 1 - self._last_flush >= self.flush_every or self._rows >= self.max_rows:
             self.flush()
 
@@ -186,12 +183,6 @@ def _tsv_value(v) -> str:
     if isinstance(v, bool):
         return str(int(v))
     return repr(float(v)) if isinstance(v, float) else str(v)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def read_table(out_dir: str | Path, table: str):

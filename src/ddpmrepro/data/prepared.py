@@ -16,9 +16,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from ddpmrepro.data import sources
 from ddpmrepro.data.image_folder import default_workers, read_image_folder
 from ddpmrepro.data.sources import HFLIP_OK, DataError, Source
 from ddpmrepro.data.verify import Verifier
+from ddpmrepro.files import atomic_write_text, replacing_dir
 from ddpmrepro.params import DataParams
 
 log = logging.getLogger(__name__)
@@ -88,30 +87,28 @@ def prepare(params: DataParams, out_dir: str | Path, *, workers: int | None = No
     _check_free_space(out_dir, len(labels), source.image_shape)
 
     # Decode in the source's order, each image to its split's writer; then swap the result into place.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    files: dict[str, str] = {}
-    n_test = int(is_test.sum())
-    writers = {"train": shards.SplitWriter(tmp, "train", len(labels) - n_test, source.image_shape, files),
-               "test": shards.SplitWriter(tmp, "test", n_test, source.image_shape, files)}
-    try:
-        start = 0
-        for chunk in source.images(workers):
-            mask, y = is_test[start:start + len(chunk)], labels[start:start + len(chunk)]
-            writers["train"].write(chunk[~mask], y[~mask])
-            writers["test"].write(chunk[mask], y[mask])
-            start += len(chunk)
-        splits = {name: w.close() for name, w in writers.items()}
+    with replacing_dir(out_dir) as tmp:
+        files: dict[str, str] = {}
+        n_test = int(is_test.sum())
+        writers = {"train": shards.SplitWriter(tmp, "train", len(labels) - n_test, source.image_shape, files),
+                   "test": shards.SplitWriter(tmp, "test", n_test, source.image_shape, files)}
+        try:
+            start = 0
+            for chunk in source.images(workers):
+                mask, y = is_test[start:start + len(chunk)], labels[start:start + len(chunk)]
+                writers["train"].write(chunk[~mask], y[~mask])
+                writers["test"].write(chunk[mask], y[mask])
+                start += len(chunk)
+            splits = {name: w.close() for name, w in writers.items()}
+        except BaseException:
+            for w in writers.values():
+                w.abort()
+            raise
         counts = {"train": np.bincount(labels[~is_test], minlength=k).tolist(),
                   "test": np.bincount(labels[is_test], minlength=k).tolist()}
         manifest = _manifest(params, source, files, splits, counts,
                              "official" if source.is_test is not None else "stratified")
-        _write_bytes(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
-        _swap_into_place(tmp, out_dir)
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     log.info("prepared %s: %d train / %d test images of %dx%dx%d in %s (%d shards)", params.source,
              splits["train"]["count"], splits["test"]["count"], *source.image_shape, out_dir,
              sum(len(s["shards"]) for s in splits.values()))
@@ -175,40 +172,6 @@ def _manifest(params: DataParams, source: Source, files: dict, splits: dict, cou
         "inputs": inputs,
         "params": dataclasses.asdict(params),
     }
-
-
-# --- deterministic, atomic files ----------------------------------------------------------------
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _swap_into_place(tmp: Path, out_dir: Path) -> None:
-    """Renames the finished `tmp` to `out_dir`; an old `out_dir` is moved aside first and deleted after."""
-    os.chmod(tmp, 0o755)  # mkdtemp makes it 0o700
-    old = None
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old / out_dir.name)
-    try:
-        os.replace(tmp, out_dir)
-    except BaseException:
-        if old is not None:  # put the old output back
-            os.replace(old / out_dir.name, out_dir)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    if hasattr(os, "O_DIRECTORY"):  # persist the renames
-        fd = os.open(out_dir.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # --- load_prepared --------------------------------------------------------------------------------

@@ -34,9 +34,10 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from ..files import atomic_write_text, sha256
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +52,6 @@ def identity(path: Path) -> dict:
     st = os.stat(path)
     return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev}
-
-
-def sha256_file(path: Path, chunk: int = 4 << 20) -> str:
-    """sha256 of a file, read in 4 MiB blocks (hashlib releases the GIL on each, so threads overlap)."""
-    h = hashlib.sha256()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 class Verifier:
@@ -96,12 +86,12 @@ class Verifier:
         """(content is as expected, bytes hashed)."""
         before = identity(path)
         if not self._writable:
-            return sha256_file(path) == expected, before["size"]
+            return sha256(path) == expected, before["size"]
         stamp = self._stamp_path(before)
         with _locked(stamp.with_suffix(".lock")):
             if _read_json(stamp) == {**before, "sha256": expected}:
                 return True, 0
-            digest = sha256_file(path)
+            digest = sha256(path)
             if digest == expected and identity(path) == before:  # unchanged while we read it
                 _write_atomic(stamp, {**before, "sha256": digest})
             return digest == expected, before["size"]
@@ -126,9 +116,6 @@ def _read_json(path: Path):
 
 def _write_atomic(path: Path, obj: dict) -> None:
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".stamp-", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(obj))
     except OSError as e:  # a full or read-only cache costs a rehash next time, nothing more
         log.warning("%s: cannot write the verification stamp (%s)", path, e)

@@ -31,10 +31,10 @@ import torch
 from ..data import load_prepared, to_model_range
 from ..files import CheckpointError, atomic_write_text
 from ..model.diffusion import from_params as diffusion_from_params
+from ..model_dir import load_model
 from ..params import Params
 from .evaluator import load_evaluator
 from .metrics import feature_metrics, inception_metrics, real_floor
-from .sample import load_model
 
 
 def load_samples(samples_dir: Path) -> dict[str, np.ndarray]:

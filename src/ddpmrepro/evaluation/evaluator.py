@@ -16,9 +16,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,9 +23,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..files import sha256_file
+from .. import files
 from ..params import EvaluatorParams
 
 log = logging.getLogger(__name__)
@@ -228,27 +225,12 @@ def _fit(train_images, train_labels, test_images, test_labels, params: Evaluator
 
 
 def _write_atomic(out_dir: Path, net: nn.Module, config: dict, metrics: dict) -> None:
-    """Writes the three files into a temp dir beside `out_dir`, then renames it into place."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    old = None
-    try:
-        state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = {**config, "model_sha256": sha256_file(tmp / "model.safetensors")}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    """Writes the three files into a temp dir beside `out_dir`, which then replaces it whole."""
+    with files.replacing_dir(out_dir) as tmp:
+        files.save_weights(net.state_dict(), tmp / "model.safetensors", metadata={"format": "pt"})
+        config = {**config, "model_sha256": files.sha256(tmp / "model.safetensors")}
+        files.atomic_write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
+        files.atomic_write_text(tmp / "metrics.json", json.dumps(metrics, indent=2) + "\n")
 
 
 # --- loading and inference --------------------------------------------------------------------
@@ -315,7 +297,7 @@ def load_evaluator(directory: str | Path, device: str | torch.device = "cpu") ->
     if config.get("format_version") != FORMAT_VERSION:
         raise EvaluatorError(f"{cfg_path}: format_version {config.get('format_version')!r} != {FORMAT_VERSION}; {fix}")
     expected_sha = config.get("model_sha256")
-    if expected_sha and sha256_file(model_path) != expected_sha:
+    if expected_sha and files.sha256(model_path) != expected_sha:
         raise EvaluatorError(f"{model_path}: sha256 does not match config.json (corrupt or replaced file); {fix}")
     try:
         state = load_file(model_path)

@@ -20,12 +20,13 @@ with a local, sha256-verified weights file and never download anything.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from .. import files
 
 # --- Fréchet distance -------------------------------------------------------------------------
 
@@ -275,13 +276,10 @@ def verify_sha256(path: str | Path, expected: str) -> None:
             "it with weights_only=False, so only a verified file is loaded)")
     if not path.is_file():
         raise InceptionWeightsError(f"{path}: not found; fix evaluate.inception_weights or set it to \"\"")
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    if h.hexdigest() != expected.strip().lower():
+    digest = files.sha256(path)
+    if digest != expected.strip().lower():
         raise InceptionWeightsError(
-            f"{path}: sha256 {h.hexdigest()} != evaluate.inception_sha256 {expected}; refusing to load it")
+            f"{path}: sha256 {digest} != evaluate.inception_sha256 {expected}; refusing to load it")
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .. import files  # noqa: E402
 from ..tables import read_table  # noqa: E402  (the training's tables, not its code)
 from ..params import ReportParams  # noqa: E402
 
@@ -196,8 +197,9 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
         for stale in out.glob("*.png"):  # from a trained model that was here before
             stale.unlink()
         note = out / "IMPORTED.txt"
-        note.write_text(f"The model was imported from {imported_from} (train.import_from), not trained here:\n"
-                        "there are no loss curves or gradient tables to draw. metrics.json has its evaluation.\n")
+        files.atomic_write_text(note, f"The model was imported from {imported_from} (train.import_from), not trained "
+                                "here:\nthere are no loss curves or gradient tables to draw. metrics.json has its "
+                                "evaluation.\n")
         return []
     introspect_dir, live_dir = Path(introspect_dir), Path(live_dir)
     _require_dir(introspect_dir, "introspection", "--introspect")

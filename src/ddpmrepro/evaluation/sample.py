@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -20,36 +19,9 @@ from ..data import to_uint8
 from ..model.diffusion import from_params as diffusion_from_params
 from ..model.diffusion import guided_model_fn
 from ..model import samplers
-from ..model.superres import build_superres
-from ..model.unet import build_unet
-from ..params import Params, ParamsError, SampleParams, from_dict
+from ..model_dir import load_model
+from ..params import Params, ParamsError, SampleParams
 from ..runtime import distributed as D
-
-
-def load_model(model_dir: Path, ema_rate: float, device="cpu"):
-    """The trained UNet with the chosen EMA weights (rate 0: the raw weights), and its config."""
-    config_path = Path(model_dir) / "config.json"
-    if not config_path.exists():
-        raise files.CheckpointError(f"{config_path}: not found; train first (`dvc repro train`)")
-    config = json.loads(config_path.read_text())
-    trained = from_dict(config["params"])
-    if ema_rate and ema_rate not in [float(r) for r in config["ema_rates"]]:
-        raise ParamsError(f"sample.ema_rate={ema_rate:g} was not trained; available: "
-                          f"{', '.join(f'{float(r):g}' for r in config['ema_rates'])} (or 0 for raw weights)")
-    name = files.ema_filename(ema_rate) if ema_rate else "model.safetensors"
-    data = config["data"]
-    shape = dict(image_size=data["image_size"], in_channels=data["channels"], num_classes=data["num_classes"],
-                 learn_sigma=trained.diffusion.variance == "learned_range")
-    # An upsampler (superres.low_res > 0 in its params) is IDDPM's super-resolution UNet.
-    model = (build_superres(trained.model, trained.superres, **shape) if trained.superres.low_res
-             else build_unet(trained.model, **shape))
-    state = files.load_weights(Path(model_dir) / name)
-    missing = set(model.state_dict()) ^ set(state)
-    if missing:
-        raise files.CheckpointError(f"{model_dir / name}: tensors do not match the architecture in config.json "
-                                   f"(e.g. {sorted(missing)[0]}); retrain or restore the model directory")
-    model.load_state_dict(state)
-    return model.to(device).eval(), trained, config
 
 
 def image_seed(base: int, k: int) -> int:
@@ -170,19 +142,14 @@ def write_samples(out_dir: Path, images: np.ndarray, labels: np.ndarray, seeds: 
     image, which evaluate copies into the metrics), swapped into place together."""
     from ..params import save_resolved
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    buf = io.BytesIO()
-    np.savez(buf, images=images, labels=labels.astype(np.int64), seeds=seeds)
-    files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
-    save_grid(images, labels, class_names, tmp / "grid.png")
-    save_resolved(params, tmp / "params.yaml", sections=("sample",))
-    if sampling is not None:
-        files.atomic_write_text(tmp / "sampling.json", json.dumps(sampling, indent=2) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    with files.replacing_dir(out_dir) as tmp:
+        buf = io.BytesIO()
+        np.savez(buf, images=images, labels=labels.astype(np.int64), seeds=seeds)
+        files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
+        save_grid(images, labels, class_names, tmp / "grid.png")
+        save_resolved(params, tmp / "params.yaml", sections=("sample",))
+        if sampling is not None:
+            files.atomic_write_text(tmp / "sampling.json", json.dumps(sampling, indent=2) + "\n")
 
 
 def save_grid(images: np.ndarray, labels: np.ndarray, class_names, path: Path, per_row: int = 10) -> None:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +26,9 @@ import torch.nn.functional as F
 from .. import files
 from ..data import load_prepared, to_model_range, to_uint8
 from ..model.superres import augment, bicubic_upsample, downsample
+from ..model_dir import load_model
 from ..params import Params, ParamsError
-from .sample import bind_labels, image_seed, load_model, process, run_sampler, save_grid
+from .sample import bind_labels, image_seed, process, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).
@@ -126,17 +125,12 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
 def _write(out_dir: Path, arrays: dict, class_names, params: Params) -> None:
     from ..params import save_resolved
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
-    save_grid(arrays["images"], arrays["labels"], class_names, tmp / "grid.png")
-    save_resolved(params, tmp / "params.yaml", sections=("sample", "superres"))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    with files.replacing_dir(out_dir) as tmp:
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
+        save_grid(arrays["images"], arrays["labels"], class_names, tmp / "grid.png")
+        save_resolved(params, tmp / "params.yaml", sections=("sample", "superres"))
 
 
 # --- metrics -----------------------------------------------------------------------------------

@@ -3,13 +3,13 @@
 An imported directory is what `train` exports, so `sample`, `evaluate` and the DVC stages read it
 unchanged: `<ema_rate>` weights as safetensors and a `config.json` holding the resolved params (its
 `model:` and `diffusion:` sections describe the imported network), the data it is evaluated on, and
-`source` (format, file name, sha256) where `train` would record its data and code. Nothing is
-written unless the whole conversion succeeded (a temp sibling is renamed into place).
+`source` (format, file name, sha256) where `train` would record its data and code. The format is
+`ddpmrepro.model_dir`'s, which writes the directory whole: nothing is written unless the whole
+conversion succeeded.
 """
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ import torch
 from .. import files
 from ..data.prepared import read_manifest
 from ..model.unet import PRESETS, SHARED_DEFAULTS, build_unet
+from ..model_dir import data_section, load_model, write_model
 from ..params import Params, from_dict
 from . import ConversionError
 from . import diffusers_unet as DF
@@ -116,22 +117,15 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
         # The architecture as built (preset, overrides and defaults resolved), for a reader without the code.
         "architecture": {**SHARED_DEFAULTS, **PRESETS[params.model.preset], **params.model.overrides(),
                          "class_cond": params.model.class_cond},
-        "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels", "class_names")},
+        "data": data_section(manifest),
         "ema_rates": [rate] if rate else [],
-        "source": {"format": fmt, "file": weights_path.name, "sha256": files.sha256_file(weights_path),
+        "source": {"format": fmt, "file": weights_path.name, "sha256": files.sha256(weights_path),
                    **({"attention_order": attention_order} if fmt != "diffusers" else {}),
                    # improved-/guided-diffusion have no null label: its row is zero, never trained.
                    **({"untrained_null_label": True} if fmt != "diffusers" and params.model.class_cond else {})},
         "torch": torch.__version__,
     }
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    files.save_weights(weights, tmp / (files.ema_filename(rate) if rate else "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config_out, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    write_model(out, config_out, None if rate else weights, {rate: weights} if rate else {})
     return config_out
 
 
@@ -141,11 +135,11 @@ def use_published(params: Params, data_dir: Path, out: Path, live_dir: Path, int
     nothing was trained, and nothing pretends it was). Returns the model's config.json."""
     config = import_model(Path(params.train.import_from), params.train.import_format, out, params, data_dir,
                           ema_rate=params.train.ema_rates[0])
-    for directory in (Path(live_dir), Path(introspect_dir)):
-        shutil.rmtree(directory, ignore_errors=True)
-    (Path(live_dir) / "plots" / "metrics").mkdir(parents=True)
-    Path(introspect_dir).mkdir(parents=True)
-    files.atomic_write_text(Path(live_dir) / "metrics.json", "{}\n")
+    with files.replacing_dir(Path(live_dir)) as tmp:
+        (tmp / "plots" / "metrics").mkdir(parents=True)
+        files.atomic_write_text(tmp / "metrics.json", "{}\n")
+    with files.replacing_dir(Path(introspect_dir)):
+        pass  # empty
     return config
 
 
@@ -153,31 +147,25 @@ def export_diffusers(model_dir: Path, out: Path, ema_rate: float) -> dict:
     """Writes a diffusers pipeline folder: `unet/` (UNet2DModel config + safetensors),
     `scheduler/scheduler_config.json` (DDPMScheduler) and `model_index.json` (DDPMPipeline).
     Returns the UNet config. ConversionError if diffusers cannot express the model exactly."""
-    from ..evaluation.sample import load_model
-
     model, trained, config = load_model(Path(model_dir), ema_rate)
     unet_cfg = DF.unet2d_config(model, config["data"]["image_size"])
     sched_cfg = DF.scheduler_config(trained.diffusion)
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "unet").mkdir(parents=True)
-    (tmp / "scheduler").mkdir()
-    files.save_weights(DF.to_diffusers(model), tmp / "unet" / "diffusion_pytorch_model.safetensors",
-                       metadata={"format": "pt"})
-    (tmp / "unet" / "config.json").write_text(json.dumps(unet_cfg, indent=2))
-    (tmp / "scheduler" / "scheduler_config.json").write_text(json.dumps(sched_cfg, indent=2))
-    (tmp / "model_index.json").write_text(json.dumps({
-        "_class_name": "DDPMPipeline", "scheduler": ["diffusers", "DDPMScheduler"], "unet": ["diffusers", "UNet2DModel"],
-    }, indent=2))
-    (tmp / "ddpmrepro.json").write_text(json.dumps({  # where it came from, and what the null label is
-        "model_dir": str(model_dir), "ema_rate": ema_rate, "null_class": config["data"]["num_classes"]
-        if model.label_embed is not None else None, "class_names": config["data"]["class_names"],
-        "guidance": "eps = (1 + w) eps(y) - w eps(null): diffusers' guidance scale s = 1 + w",
-    }, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with files.replacing_dir(Path(out)) as tmp:
+        (tmp / "unet").mkdir()
+        (tmp / "scheduler").mkdir()
+        files.save_weights(DF.to_diffusers(model), tmp / "unet" / "diffusion_pytorch_model.safetensors",
+                           metadata={"format": "pt"})
+        (tmp / "unet" / "config.json").write_text(json.dumps(unet_cfg, indent=2))
+        (tmp / "scheduler" / "scheduler_config.json").write_text(json.dumps(sched_cfg, indent=2))
+        (tmp / "model_index.json").write_text(json.dumps({
+            "_class_name": "DDPMPipeline", "scheduler": ["diffusers", "DDPMScheduler"],
+            "unet": ["diffusers", "UNet2DModel"],
+        }, indent=2))
+        (tmp / "ddpmrepro.json").write_text(json.dumps({  # where it came from, and what the null label is
+            "model_dir": str(model_dir), "ema_rate": ema_rate, "null_class": config["data"]["num_classes"]
+            if model.label_embed is not None else None, "class_names": config["data"]["class_names"],
+            "guidance": "eps = (1 + w) eps(y) - w eps(null): diffusers' guidance scale s = 1 + w",
+        }, indent=2))
     return unet_cfg
 
 

@@ -14,12 +14,12 @@ changes, so a failed check touches nothing at all.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import yaml
 
+from ..files import atomic_write_text
 from ..params import Params, ParamsError, load
 
 HEADER = "# Written by `ddpmrepro check-params` from params.yaml, defaults filled in. Do not edit.\n"
@@ -40,11 +40,7 @@ def write_resolved(params: Params, out_dir: Path) -> list[Path]:
     for name, path in section_files(out_dir).items():
         text = HEADER + yaml.safe_dump({name: resolved[name]}, sort_keys=False)
         if not path.is_file() or path.read_text() != text:
-            # Temp file + rename, so a file is whole or absent. (checkpoint.atomic_write_text
-            # would import torch: seconds, for a stage that runs on every params.yaml edit.)
-            tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-            tmp.write_text(text)
-            os.replace(tmp, path)
+            atomic_write_text(path, text)  # whole or absent
             written.append(path)
     return written
 

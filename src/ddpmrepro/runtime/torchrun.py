@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..files import atomic_write_text
+
 AGENT_PID = "DDPMREPRO_TORCHRUN_PID"  # exported to the workers: the parent they must die with
 ERROR_DIR = "DDPMREPRO_ERROR_DIR"  # where workers report their one-line user errors, and crashes
 _PR_SET_PDEATHSIG = 1
@@ -76,9 +78,7 @@ def report_error(message: str | None, exit_code: int) -> bool:
     record = {"time": time.time(), "rank": int(rank), "exit_code": exit_code, "message": message,
               "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
     try:
-        tmp = Path(directory) / f".rank{rank}.json.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, tmp.with_name(f"rank{rank}.json"))  # the agent never reads half a file
+        atomic_write_text(Path(directory) / f"rank{rank}.json", json.dumps(record))  # never read half-written
     except OSError:
         return False
     return True

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import TEMP_FILE, CheckpointError, atomic_write_bytes, atomic_write_text, sha256_file
+from ..files import TEMP_FILE, CheckpointError, atomic_write_bytes, atomic_write_text, sha256
 
 STEP_FILE = re.compile(r"^step_(\d{9})\.pt$")
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def save_checkpoint(state: dict, directory: Path, step: int, keep: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:09d}.pt"
     atomic_write_bytes(path, lambda f: torch.save(state, f))
-    atomic_write_text(path.with_suffix(".sha256"), sha256_file(path) + "\n")
+    atomic_write_text(path.with_suffix(".sha256"), sha256(path) + "\n")
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
         old.with_suffix(".sha256").unlink(missing_ok=True)
@@ -53,7 +53,7 @@ def load_checkpoint(path: Path) -> dict:
     if not sidecar.exists():
         raise CheckpointError(f"{path}: no sha256 sidecar; the write was interrupted. Delete it to resume from an earlier one")
     expected = sidecar.read_text().strip()
-    if sha256_file(path) != expected:
+    if sha256(path) != expected:
         raise CheckpointError(f"{path}: sha256 mismatch (truncated or modified); delete it to resume from an earlier checkpoint")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)

@@ -31,6 +31,7 @@ from ..data import load_prepared
 from ..model.diffusion import from_params as diffusion_from_params
 from ..model.superres import build_superres
 from ..model.unet import build_unet
+from ..model_dir import data_section, write_model
 from ..params import Params, ParamsError
 from ..runtime import distributed as D
 from . import checkpoint as ckpt
@@ -278,8 +279,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             introspection.close()
             train_log.end()
             _export(paths.model_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary)
-            _replace_dir(ckpt_dir / "live", paths.live_dir)
-            _replace_dir(ckpt_dir / "introspect", paths.introspect_dir)
+            files.copy_dir(ckpt_dir / "live", paths.live_dir)
+            files.copy_dir(ckpt_dir / "introspect", paths.introspect_dir)
         D.barrier()
     D.cleanup()
     return last.summary
@@ -336,33 +337,10 @@ def _without_timing(summary: dict) -> dict:
 
 
 def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary) -> None:
-    import shutil
-
-    tmp = model_dir.with_name(f".{model_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    files.save_weights(raw_model.state_dict(), tmp / "model.safetensors")
-    for rate, ema in emas.items():
-        files.save_weights(ema, tmp / files.ema_filename(rate))
+    """The model directory (model_dir.py owns its format): the weights, the EMAs, config.json."""
     config = {
-        "params": params.to_dict(), "data": {k: manifest[k] for k in ("source", "num_classes", "image_size", "channels",
-                                                                        "class_names")},
+        "params": params.to_dict(), "data": data_section(manifest),
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
         "ema_rates": list(emas), "final": _without_timing(summary), "torch": torch.__version__,
     }
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
-    tmp.rename(model_dir)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Copies src to dst through a temp sibling, so dst is either old or complete."""
-    import shutil
-
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    if dst.exists():
-        shutil.rmtree(dst)
-    tmp.rename(dst)
+    write_model(model_dir, config, raw_model.state_dict(), emas)

@@ -1,0 +1,204 @@
+"""files.py: one atomic file write, one directory swap, one sha256.
+
+The kill tests run `replace_dir` in a child process that SIGKILLs itself at the dangerous instants
+(just before and just after each rename or exchange), by wrapping the os-level call in the child
+only, then look at what a reader finds: the complete old directory or the complete new one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ddpmrepro import files as F
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+OLD = {"a.txt": b"old a", "sub/c.txt": b"old c" * 1000, "b.bin": b"\x00old"}
+NEW = {"a.txt": b"new a", "d.txt": b"new d", "sub/e/f.txt": b"new f" * 999}
+
+
+def make(root: Path, tree: dict[str, bytes]) -> Path:
+    for name, data in tree.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def read(root: Path) -> dict[str, bytes]:
+    return {f.relative_to(root).as_posix(): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def siblings(dst: Path) -> list[str]:
+    return sorted(p.name for p in dst.parent.iterdir())
+
+
+# The child: wraps the exchange (or, with the exchange refused, os.rename) so that the process
+# SIGKILLs itself before or after the n-th call, then replaces `dst` with `src`.
+CHILD = r"""
+import os, signal, sys
+from ddpmrepro import files as F
+
+path, when, n, src, dst = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+calls = []
+
+def killing(call):
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        if when == "before" and len(calls) == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = call(*args, **kwargs)
+        if when == "after" and len(calls) == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    return wrapped
+
+if path == "exchange":
+    F._exchange = killing(F._exchange)
+else:  # the fallback, as on a file system that cannot exchange
+    F._exchange = lambda a, b: False
+    os.rename = killing(os.rename)
+F.replace_dir(src, dst)
+"""
+
+
+def run_child(path: str, when: str, n: int, src: Path, dst: Path) -> int:
+    proc = subprocess.run([sys.executable, "-c", CHILD, path, when, str(n), str(src), str(dst)],
+                          env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True, text=True, timeout=60)
+    return proc.returncode
+
+
+def exchange_works(tmp_path: Path) -> bool:
+    a, b = tmp_path / "probe-a", tmp_path / "probe-b"
+    a.mkdir(), b.mkdir()
+    try:
+        return F._exchange(a, b)
+    finally:
+        os.rmdir(a), os.rmdir(b)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_kill_at_the_exchange_leaves_the_complete_old_or_new_dir(tmp_path, when):
+    if not exchange_works(tmp_path):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not available here (the fallback is tested below)")
+    dst, src = make(tmp_path / "out", OLD), make(tmp_path / ".out.tmp", NEW)
+    assert run_child("exchange", when, 1, src, dst) == -9
+    # No recovery step: the directory a reader opens is whole at every instant.
+    assert read(dst) == (OLD if when == "before" else NEW)
+    # The next write cleans up whatever the kill left beside it.
+    with F.replacing_dir(dst) as tmp:
+        make(tmp, NEW)
+    assert read(dst) == NEW and siblings(dst) == ["out"]
+
+
+# The fallback's renames: 1 puts the old directory aside, 2 puts the new one in, 3 moves the old
+# one to the trash name it is deleted under.
+@pytest.mark.parametrize("when,n,expected,missing_until_recovered", [
+    ("before", 1, OLD, False),
+    ("after", 1, OLD, True),   # the one instant the fallback has no `dst`: recover_dir puts the old one back
+    ("before", 2, OLD, True),
+    ("after", 2, NEW, False),
+    ("after", 3, NEW, False),
+])
+def test_a_kill_in_the_fallback_swap_is_recovered(tmp_path, when, n, expected, missing_until_recovered):
+    dst, src = make(tmp_path / "out", OLD), make(tmp_path / ".out.tmp", NEW)
+    assert run_child("fallback", when, n, src, dst) == -9
+    assert dst.exists() is not missing_until_recovered
+    F.recover_dir(dst)  # what every writer, and the model directory's reader, calls first
+    assert read(dst) == expected
+    with F.replacing_dir(dst) as tmp:
+        make(tmp, NEW)
+    assert read(dst) == NEW and siblings(dst) == ["out"]
+
+
+def test_the_fallback_swap_without_a_kill(tmp_path, monkeypatch):
+    dst = make(tmp_path / "out", OLD)
+    monkeypatch.setattr(F, "_exchange", lambda a, b: False)
+    with F.replacing_dir(dst) as tmp:
+        make(tmp, NEW)
+    assert read(dst) == NEW and siblings(dst) == ["out"]
+
+
+def test_replacing_dir_creates_replaces_and_leaves_dst_alone_on_error(tmp_path):
+    dst = tmp_path / "deep" / "out"
+    with F.replacing_dir(dst) as tmp:
+        assert tmp == tmp_path / "deep" / ".out.tmp" and not any(tmp.iterdir())
+        make(tmp, OLD)
+    assert read(dst) == OLD
+    with pytest.raises(RuntimeError, match="half way"):
+        with F.replacing_dir(dst) as tmp:
+            make(tmp, NEW)
+            raise RuntimeError("half way")
+    assert read(dst) == OLD and siblings(dst) == ["out"]
+    (tmp_path / "deep" / ".out.tmp").mkdir()  # a killed writer's leftover
+    make(tmp_path / "deep" / ".out.tmp", {"stale": b"x"})
+    with F.replacing_dir(dst) as tmp:
+        make(tmp, NEW)
+    assert read(dst) == NEW and siblings(dst) == ["out"]
+
+
+def test_copy_dir_keeps_its_source(tmp_path):
+    src, dst = make(tmp_path / "work", NEW), make(tmp_path / "out", OLD)
+    F.copy_dir(src, dst)
+    assert read(dst) == NEW == read(src)
+
+
+def test_replace_dir_fsyncs_the_new_files_and_the_parent_before_the_swap(tmp_path, monkeypatch):
+    dst, src = make(tmp_path / "out", OLD), make(tmp_path / ".out.tmp", NEW)
+    events = []
+    real_fsync, real_exchange = os.fsync, F._exchange
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(F, "_exchange", lambda a, b: (events.append("swap"), real_exchange(a, b))[1])
+    F.replace_dir(src, dst)
+    before = events[:events.index("swap")] if "swap" in events else events
+    for name in NEW:  # every new file, its directories, and the parent holding src's entry
+        assert str(src / name) in before, name
+    assert str(src / "sub" / "e") in before and str(tmp_path) in before
+    assert events[-1] == str(tmp_path)  # the swap itself is made durable
+
+
+def test_atomic_write_replaces_whole_and_fsyncs_the_directory(tmp_path, monkeypatch):
+    path = tmp_path / "x.json"
+    path.write_text("old")
+    synced = []
+    monkeypatch.setattr(F, "fsync_dir", lambda p: synced.append(Path(p)))
+
+    def fails_half_way(f):
+        f.write(b"half")
+        raise ValueError("the writer failed")
+    with pytest.raises(ValueError):
+        F.atomic_write_bytes(path, fails_half_way)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["x.json"] and synced == []
+    F.atomic_write_text(path, "new")
+    assert path.read_text() == "new" and synced == [tmp_path]
+
+
+def test_save_weights_writes_what_safetensors_writes_and_fsyncs_the_directory(tmp_path, monkeypatch):
+    w = {"a": torch.randn(3, 4), "b": torch.arange(5), "t": torch.randn(4, 3).t()}  # t: not contiguous
+    save_file({k: v.contiguous() for k, v in w.items()}, str(tmp_path / "direct.safetensors"), metadata={"k": "v"})
+    synced = []
+    monkeypatch.setattr(F, "fsync_dir", lambda p: synced.append(Path(p)))
+    F.save_weights(w, tmp_path / "ours.safetensors", metadata={"k": "v"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
+    assert synced == [tmp_path]
+    assert sorted(os.listdir(tmp_path)) == ["direct.safetensors", "ours.safetensors"]
+
+
+def test_sha256_is_hashlibs_over_block_boundaries(tmp_path):
+    for size in (0, 1, 4 << 20, (4 << 20) + 3):
+        data = os.urandom(size)
+        (tmp_path / "f").write_bytes(data)
+        assert F.sha256(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+def test_importing_files_loads_no_torch():
+    code = "import sys, ddpmrepro.files; print(json.dumps('torch' in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", "import json; " + code], env={**os.environ, "PYTHONPATH": str(SRC)},
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) is False

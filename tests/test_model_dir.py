@@ -1,0 +1,78 @@
+"""model_dir.py: the model directory is written whole, in the bytes train and import always wrote,
+and read back into the network it was written from."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddpmrepro import files as F
+from ddpmrepro import params as P
+from ddpmrepro.model.unet import build_unet
+from ddpmrepro.model_dir import data_section, load_model, read_config, weights_file, write_model
+
+MANIFEST = {"source": "digits", "num_classes": 10, "image_size": 8, "channels": 1, "class_names": list("0123456789"),
+            "files": {"x": "y"}}
+
+
+PARAMS = P.from_dict({"model": {"channels": 16, "channel_mult": [1, 2], "num_res_blocks": 1,
+                                 "attention_resolutions": [4], "num_head_channels": 16}})
+
+
+def tiny(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_unet(PARAMS.model, image_size=8, in_channels=1, num_classes=10,
+                      learn_sigma=PARAMS.diffusion.variance == "learned_range")
+
+
+def config(ema_rates: list[float]) -> dict:
+    # The key order of train's config.json: part of the bytes DVC hashes.
+    return {"params": PARAMS.to_dict(), "data": data_section(MANIFEST), "data_sha256": MANIFEST["files"],
+            "code_version": "c", "run_hash": "r", "ema_rates": ema_rates, "final": {"loss": 0.5}, "torch": "t"}
+
+
+def test_written_whole_and_read_back(tmp_path):
+    raw, ema = tiny(0), tiny(1)
+    out = tmp_path / "models" / "ddpm"
+    write_model(out, config([0.999]), raw.state_dict(), {0.999: ema.state_dict()})
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "ema_0.999.safetensors", "model.safetensors"]
+    assert (out / "config.json").read_text() == json.dumps(config([0.999]), indent=2)  # no newline, as ever
+    assert read_config(out) == config([0.999])
+    for rate, net in ((0, raw), (0.999, ema)):
+        model, trained, _ = load_model(out, rate)
+        assert trained == PARAMS and not model.training
+        assert all(torch.equal(v, net.state_dict()[k]) for k, v in model.state_dict().items())
+    # A rewrite replaces the whole directory: nothing of the old one stays.
+    write_model(out, config([]), raw.state_dict(), {})
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["ddpm"]
+
+
+def test_the_file_names(tmp_path):
+    assert weights_file(0) == "model.safetensors" and weights_file(0.9999) == "ema_0.9999.safetensors"
+    assert data_section(MANIFEST) == {k: MANIFEST[k] for k in ("source", "num_classes", "image_size", "channels",
+                                                                 "class_names")}
+
+
+def test_a_config_that_does_not_describe_its_weights_is_refused_before_writing(tmp_path):
+    w = tiny(0).state_dict()
+    with pytest.raises(ValueError, match="ema_rates"):
+        write_model(tmp_path / "m", config([0.9]), w, {0.99: w})
+    with pytest.raises(ValueError, match="missing"):
+        write_model(tmp_path / "m", {"ema_rates": []}, w, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_readers_get_one_line_errors(tmp_path):
+    with pytest.raises(F.CheckpointError, match=r"config.json: not found; train first \(`dvc repro train`\)"):
+        load_model(tmp_path / "none", 0)
+    write_model(tmp_path / "m", config([0.9]), tiny(0).state_dict(), {0.9: tiny(1).state_dict()})
+    with pytest.raises(P.ParamsError, match=r"sample.ema_rate=0.5 was not trained; available: 0.9 \(or 0"):
+        load_model(tmp_path / "m", 0.5)
+
+
+def test_a_reader_restores_the_old_directory_a_killed_fallback_swap_left_aside(tmp_path):
+    write_model(tmp_path / "m", config([]), tiny(0).state_dict(), {})
+    (tmp_path / "m").rename(tmp_path / ".m.old")  # killed between the fallback's two renames
+    assert read_config(tmp_path / "m") == config([])
