@@ -6,11 +6,18 @@ importance sampler's composition as an exact sum over t; `none` bitwise against 
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import yaml
+from click.testing import CliRunner
 
 from ddpmrepro import params as P
+from ddpmrepro.cli import main
+from ddpmrepro.data import prepare
 from ddpmrepro.model import diffusion as D
 from ddpmrepro.training.timestep_sampler import LossSecondMomentSampler
 
@@ -161,3 +168,96 @@ def test_a_weighting_with_the_pure_vlb_is_refused():
         make(loss="kl", variance="learned_range", loss_weighting="min_snr")
     with pytest.raises(ValueError, match="> 0"):
         make(loss_weighting="p2", p2_k=0.0)
+
+
+# --- params --------------------------------------------------------------------------------------------
+
+
+def test_null_keys_take_the_papers_values_and_round_trip():
+    d = P.from_dict({"diffusion": {"loss_weighting": "min_snr"}}).diffusion
+    assert (d.min_snr_gamma, d.p2_k, d.p2_gamma) == (5.0, None, None)
+    d = P.from_dict({"diffusion": {"loss_weighting": "p2", "p2_gamma": 0.5}}).diffusion
+    assert (d.min_snr_gamma, d.p2_k, d.p2_gamma) == (None, 1.0, 0.5)
+    assert P.from_dict({"diffusion": dict(vars(d))}).diffusion == d  # config.json reads back the same
+    none = P.from_dict({}).diffusion
+    assert (none.loss_weighting, none.min_snr_gamma, none.p2_k, none.p2_gamma) == ("none", None, None, None)
+    assert D.from_params(d).mse_weights.numpy() == pytest.approx(p2_eps(snr("cosine"), 1.0, 0.5), rel=1e-12)
+
+
+def test_the_weighting_keys_reach_the_run_hash_and_dvc():
+    """The train stage's DVC params and the checkpoint directory's run hash take the diffusion section whole."""
+    from ddpmrepro.training.loop import run_hash
+
+    runs = [{}, {"loss_weighting": "min_snr"}, {"loss_weighting": "min_snr", "min_snr_gamma": 3},
+            {"loss_weighting": "p2"}, {"loss_weighting": "p2", "p2_k": 2}]
+    hashes = {run_hash(P.from_dict({"diffusion": d}), "data") for d in runs}
+    assert len(hashes) == len(runs)
+    stages = yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"]
+    assert "diffusion" in stages["train"]["params"]
+
+
+BAD = [
+    ({"loss_weighting": "min_snr", "min_snr_gamma": 0}, "diffusion.min_snr_gamma: must be > 0"),
+    ({"loss_weighting": "min_snr", "min_snr_gamma": -5}, "diffusion.min_snr_gamma: must be > 0"),
+    ({"loss_weighting": "p2", "p2_k": -1}, "diffusion.p2_k: must be > 0"),
+    ({"loss_weighting": "p2", "p2_k": 0}, "diffusion.p2_k: must be > 0"),
+    ({"loss_weighting": "p2", "p2_gamma": 0}, "diffusion.p2_gamma: must be > 0"),
+    ({"loss_weighting": "p2", "min_snr_gamma": 5}, "diffusion.min_snr_gamma: only read with loss_weighting: min_snr"),
+    ({"loss_weighting": "min_snr", "p2_k": 1}, "diffusion.p2_k: only read with loss_weighting: p2"),
+    ({"p2_gamma": 1}, "diffusion.p2_gamma: only read with loss_weighting: p2 (it is none)"),
+    ({"loss_weighting": "p2", "loss": "kl", "variance": "learned_range"}, "diffusion.loss_weighting: 'p2' weights"),
+    ({"loss_weighting": "snr"}, "diffusion.loss_weighting: 'snr' is not one of none | min_snr | p2"),
+]
+
+
+@pytest.mark.parametrize("diffusion, message", BAD)
+def test_bad_weighting_keys_exit_2_with_one_line_naming_the_key_and_write_nothing(tmp_path, monkeypatch, diffusion,
+                                                                                  message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"diffusion": diffusion}))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("earlier")
+    result = CliRunner().invoke(main, ["train", "--params", "params.yaml", "--data", "data", "--out", "model",
+                                       "--live", "live", "--introspect", "introspect", "--checkpoints", "ckpt"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: params.yaml: {message}"), result.stderr
+    assert result.stdout == ""
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == \
+        ["model", "model/config.json", "params.yaml"]
+    assert (tmp_path / "model" / "config.json").read_text() == "earlier"
+
+
+# --- end to end ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "prepared"
+    prepare(P.DataParams(), out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("diffusion", [
+    {"loss_weighting": "min_snr"},
+    {"loss_weighting": "p2", "p2_gamma": 0.5, "prediction": "x0", "variance": "learned_range", "loss": "hybrid"},
+], ids=["min_snr", "p2-x0-hybrid"])
+def test_a_short_train_with_a_weighting_runs_with_a_finite_loss(tmp_path, prepared, one_thread, diffusion):
+    from test_train import SMALL, train_cmd
+
+    raw = {k: dict(v) for k, v in SMALL.items()}
+    raw["diffusion"].update(diffusion)
+    raw["train"].update(steps=4, checkpoint_every=4)
+    raw["introspect"] = {"every": 0, "steps": []}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(main, train_cmd(tmp_path, prepared, tmp_path / "params.yaml", 1)[3:])
+    assert result.exit_code == 0, (result.output, result.exception)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    resolved = config["params"]["diffusion"]
+    assert resolved["loss_weighting"] == diffusion["loss_weighting"]
+    assert resolved["min_snr_gamma" if diffusion["loss_weighting"] == "min_snr" else "p2_k"] is not None
+    final = config["final"]
+    assert np.isfinite(final["loss"]) and final["loss"] > 0
+    if diffusion["loss_weighting"] == "min_snr":  # eps: w_t = min(1, 5 / SNR_t) < 1 at the first steps of T=10
+        assert final["loss"] < final["mse"]

@@ -623,8 +623,11 @@ def from_params(diffusion_params, respacing: str = "") -> GaussianDiffusion:
                 last = ac
                 kept.append(i)
         betas = np.array(new_betas)
+    # The keys of the weighting not chosen are null (params.py refuses them set).
+    weighting = {k: v for k in ("min_snr_gamma", "p2_k", "p2_gamma") if (v := getattr(p, k)) is not None}
     return GaussianDiffusion(betas, p.prediction, p.variance, p.loss, timestep_map=kept,
-                             rescale_timesteps=getattr(p, "rescale_timesteps", False), original_num_steps=p.timesteps)
+                             rescale_timesteps=getattr(p, "rescale_timesteps", False), original_num_steps=p.timesteps,
+                             loss_weighting=p.loss_weighting, **weighting)
 
 
 __all__ = [
