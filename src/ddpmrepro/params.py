@@ -140,6 +140,22 @@ class DiffusionParams:
                            "learned interpolation between them (doubles the output channels).")
     loss: str = _f("mse", choices=("mse", "hybrid", "kl"), doc="`mse` (DDPM's simple loss), `hybrid` (mse + "
                                                                 "VLB x T/1000, IDDPM) or `kl` (the VLB alone).")
+    loss_weighting: str = _f("none", choices=("none", "min_snr", "p2"),
+                             doc="Per-timestep weight of the MSE term (docs/TRAINING.md, Loss weighting): `none` "
+                                 "(L_simple), `min_snr` (Hang et al. 2023) or `p2` (Choi et al. 2022), each in its "
+                                 "form for `prediction`. The VLB term of `hybrid` (or of a learned variance) stays "
+                                 "unweighted; not with `loss: kl`.")
+    # The three keys below are null unless their weighting is chosen: null there means the paper's value,
+    # which load writes in (so the saved params, config.json and the run hash name the value used).
+    min_snr_gamma: float | None = _f(None, min=0.0, min_exclusive=True,
+                                     doc="min_snr's gamma: the weight of the x0 MSE is min(SNR_t, gamma). Only with "
+                                         "`loss_weighting: min_snr`; null there: 5 (the paper's).")
+    p2_k: float | None = _f(None, min=0.0, min_exclusive=True,
+                            doc="p2's k: the weight of the eps MSE is 1/(k + SNR_t)^gamma; k > 0 bounds it at the "
+                                "noisiest steps. Only with `loss_weighting: p2`; null there: 1 (the paper's).")
+    p2_gamma: float | None = _f(None, min=0.0, min_exclusive=True,
+                                doc="p2's gamma (0 would be `none`). Only with `loss_weighting: p2`; null there: 1 "
+                                    "(the paper's; it also uses 0.5).")
     rescale_timesteps: bool = _f(False, doc="Feed the network t x 1000/T instead of the index t "
                                             "(improved-diffusion's `rescale_timesteps`; its CIFAR-10 models need "
                                             "it).")
@@ -400,7 +416,7 @@ def _build(cls, raw: Any, path: str):
         kwargs[name] = value
     obj = cls(**kwargs)
     _check_cross_field(obj, path)
-    return obj
+    return _fill_defaults(obj)
 
 
 def _check_cross_field(obj, path: str) -> None:
@@ -417,6 +433,14 @@ def _check_cross_field(obj, path: str) -> None:
     if isinstance(obj, SuperresParams) and obj.sample_noise_aug > obj.noise_aug:
         raise ParamsError(f"{path}.sample_noise_aug: {obj.sample_noise_aug} is above {path}.noise_aug "
                           f"({obj.noise_aug}), a level the network never saw in training; lower it")
+    if isinstance(obj, DiffusionParams):
+        if obj.loss_weighting != "none" and obj.loss == "kl":
+            raise ParamsError(f"{path}.loss_weighting: {obj.loss_weighting!r} weights the MSE term, which loss 'kl' "
+                              "has not (the bound's own weights are its point); use loss: mse or hybrid, or none")
+        for key, weighting in _WEIGHTING_KEYS.items():
+            if getattr(obj, key) is not None and obj.loss_weighting != weighting:
+                raise ParamsError(f"{path}.{key}: only read with loss_weighting: {weighting} (it is "
+                                  f"{obj.loss_weighting}); remove it")
     if isinstance(obj, IntrospectParams) and obj.dump_steps and not obj.dump_modules:
         raise ParamsError(f"{path}.dump_steps: nothing is dumped without {path}.dump_modules; name the modules "
                           "to dump, e.g. [\"out\"], or set dump_steps: []")
@@ -441,6 +465,20 @@ def _check_cross_field(obj, path: str) -> None:
             space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)
         except ValueError as e:
             raise ParamsError(f"sample.respacing: {e} (with diffusion.timesteps: {obj.diffusion.timesteps})") from None
+
+
+# Each weighting's keys and the papers' values that null stands for (Hang et al. 2023; Choi et al. 2022).
+_WEIGHTING_KEYS = {"min_snr_gamma": "min_snr", "p2_k": "p2", "p2_gamma": "p2"}
+_WEIGHTING_DEFAULTS = {"min_snr_gamma": 5.0, "p2_k": 1.0, "p2_gamma": 1.0}
+
+
+def _fill_defaults(obj):
+    """Writes in the values that a null key stands for, once the keys are checked."""
+    if isinstance(obj, DiffusionParams):
+        unset = {k: _WEIGHTING_DEFAULTS[k] for k, w in _WEIGHTING_KEYS.items()
+                 if w == obj.loss_weighting and getattr(obj, k) is None}
+        return dataclasses.replace(obj, **unset) if unset else obj
+    return obj
 
 
 def from_dict(raw: Any) -> Params:
@@ -517,7 +555,9 @@ def markdown() -> str:
            "- `sample.respacing` must respace `diffusion.timesteps` steps (by the very function that respaces);",
            "- `introspect.steps` and `introspect.dump_steps` lie in 1..`train.steps`; `dump_steps` need `dump_modules`;",
            "- `train.ema_rates`: at least one, each in (0, 1); `model.channel_mult`: not empty;",
-           "- `sample.thresholding: dynamic` needs a fast solver; `sample.churn` > 0 needs `sampler: heun`.", ""]
+           "- `sample.thresholding: dynamic` needs a fast solver; `sample.churn` > 0 needs `sampler: heun`;",
+           "- `diffusion.min_snr_gamma`, `p2_k`, `p2_gamma` only with their `loss_weighting`, and no weighting with "
+           "`loss: kl`.", ""]
     for section, cls in typing.get_type_hints(Params).items():
         out += [f"## {section}", "", " ".join((cls.__doc__ or "").split()), "",
                 "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]

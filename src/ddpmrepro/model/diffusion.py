@@ -44,6 +44,12 @@ class Loss(str, enum.Enum):
     KL = "kl"  # the pure variational bound L_vlb
 
 
+class Weighting(str, enum.Enum):
+    NONE = "none"  # L_simple as it is: every timestep's MSE counts once
+    MIN_SNR = "min_snr"  # Hang et al. 2023: min(SNR_t, gamma) on the x0 scale
+    P2 = "p2"  # Choi et al. 2022: 1 / (k + SNR_t)^gamma on the eps scale
+
+
 # --- schedules -------------------------------------------------------------------------------
 
 
@@ -119,6 +125,43 @@ def mean_flat(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=tuple(range(1, x.ndim)))
 
 
+# --- loss weighting -------------------------------------------------------------------------------
+
+
+def mse_weights(alphas_cumprod: np.ndarray, prediction: Prediction, weighting: Weighting,
+                min_snr_gamma: float = 5.0, p2_k: float = 1.0, p2_gamma: float = 1.0) -> np.ndarray:
+    """The factor w_t that multiplies the per-timestep MSE of L_simple, in float64.
+
+    With SNR_t = alpha_bar_t / (1 - alpha_bar_t) and x_t = sqrt(alpha_bar_t) x_0 +
+    sqrt(1 - alpha_bar_t) eps, an x0 prediction implies an eps prediction whose error is
+    sqrt(SNR_t) times as large: ||eps - eps^||^2 = SNR_t ||x_0 - x0^||^2. So one objective has a
+    weight per parametrisation, w_x0 = SNR_t w_eps, and training either parametrisation with its
+    own weight optimises the same function of the implied predictions. Each method is defined on
+    one scale; the other follows from this identity:
+
+    - min_snr (Hang et al. 2023, defined on the x0 scale): w_x0 = min(SNR_t, gamma), so
+      w_eps = min(SNR_t, gamma) / SNR_t, written gamma / max(SNR_t, gamma), which stays finite where
+      SNR_t = 0 (beta = 1). (A v-prediction, which this code has not, would use
+      min(SNR_t, gamma) / (SNR_t + 1), since ||v - v^||^2 = (SNR_t + 1) ||x_0 - x0^||^2.)
+    - p2 (Choi et al. 2022, defined relative to L_simple, the eps scale):
+      w_eps = 1 / (k + SNR_t)^gamma, so w_x0 = SNR_t / (k + SNR_t)^gamma. k > 0 keeps w_eps bounded
+      where SNR_t -> 0; with k = gamma = 1, w_x0 = alpha_bar_t.
+    - none: 1 everywhere (the caller skips the product, so `none` is bitwise L_simple).
+
+    :param alphas_cumprod: (T,) alpha_bar_t of the process (a respaced one keeps alpha_bar at its
+        steps, so its weights are the original process's at the kept steps).
+    :return: (T,) float64 weights.
+    """
+    snr = alphas_cumprod / (1.0 - alphas_cumprod)  # alpha_bar < 1 for every t: betas > 0
+    if weighting is Weighting.NONE:
+        return np.ones_like(snr)
+    if weighting is Weighting.MIN_SNR:
+        w_eps = min_snr_gamma / np.maximum(snr, min_snr_gamma)
+    else:
+        w_eps = (p2_k + snr) ** -p2_gamma
+    return w_eps if prediction is Prediction.EPS else snr * w_eps
+
+
 # --- classifier-free guidance ---------------------------------------------------------------------
 
 
@@ -162,7 +205,8 @@ class GaussianDiffusion:
 
     def __init__(self, betas, prediction: str = "eps", variance: str = "fixed_small", loss: str = "mse",
                  timestep_map: Sequence[int] | None = None, rescale_timesteps: bool = False,
-                 original_num_steps: int | None = None):
+                 original_num_steps: int | None = None, loss_weighting: str = "none",
+                 min_snr_gamma: float = 5.0, p2_k: float = 1.0, p2_gamma: float = 1.0):
         """
         :param betas: (T,) noise schedule, T >= 2, values in (0, 1].
         :param prediction: "eps" or "x0".
@@ -172,11 +216,21 @@ class GaussianDiffusion:
         :param rescale_timesteps: call the model with t_orig * 1000 / original_num_steps (a float),
             as improved-diffusion's `rescale_timesteps` does, instead of the integer t_orig.
         :param original_num_steps: T of the unrespaced process (default: len(betas)).
+        :param loss_weighting: "none", "min_snr" or "p2": the per-timestep weight of the MSE term
+            (`mse_weights`); not with loss "kl", whose per-timestep weights are the bound's own.
+        :param min_snr_gamma: min_snr's gamma > 0.
+        :param p2_k: p2's k > 0.
+        :param p2_gamma: p2's gamma > 0.
         """
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or len(betas) < 2 or not ((betas > 0) & (betas <= 1)).all():
             raise ValueError("betas must be a 1-D array of at least 2 values in (0, 1]")
         self.prediction, self.variance, self.loss = Prediction(prediction), Variance(variance), Loss(loss)
+        self.weighting = Weighting(loss_weighting)
+        if self.weighting is not Weighting.NONE and self.loss is Loss.KL:
+            raise ValueError(f"loss weighting {loss_weighting!r} applies to the MSE term; loss 'kl' has none")
+        if min(min_snr_gamma, p2_k, p2_gamma) <= 0:
+            raise ValueError("min_snr_gamma, p2_k and p2_gamma must be > 0")
         self.num_timesteps = len(betas)
         self.time_scale = 1000.0 / (original_num_steps or len(betas)) if rescale_timesteps else None
         self.timestep_map = torch.as_tensor(
@@ -203,6 +257,7 @@ class GaussianDiffusion:
             # fixed_large: beta_t, but beta~_1 at t=0 so the decoder variance is not huge (IDDPM).
             large_variance=np.append(posterior_variance[1], betas[1:]),
             large_log_variance=np.log(np.append(posterior_variance[1], betas[1:])),
+            mse_weights=mse_weights(ac, self.prediction, self.weighting, min_snr_gamma, p2_k, p2_gamma),
         )
         for name, arr in tables.items():
             setattr(self, name, torch.from_numpy(arr))  # (T,) float64, CPU
@@ -338,6 +393,13 @@ class GaussianDiffusion:
         - kl: loss = vb, the VLB term with gradients through mean and variance (IDDPM LossType.KL).
         vb is `_vb_terms_bpd` (bits/dim; the decoder NLL at t=0) with clip_denoised=False.
 
+        A loss weighting (`mse_weights`) multiplies the MSE term only: loss = w_t mse + vb. The
+        vb term stays unweighted, as IDDPM leaves it, since it trains only the variance and
+        estimates the bound (reweighting it would change what it estimates). "mse" is returned
+        unweighted, so its curve compares across weightings. The importance sampler's 1/(T p_t)
+        multiplies "loss" outside, and its p_t is fit to this weighted loss (the loop feeds it
+        "loss"), which is the variance-minimising choice for the weighted objective.
+
         :param model_fn: model_fn(x, t).
         :param x0: (B, C, ...) clean images in [-1, 1].
         :param t: (B,) int64 steps.
@@ -354,8 +416,10 @@ class GaussianDiffusion:
         if self.loss is Loss.KL:
             vb, _ = self._vb_terms_bpd(out, x0, xt, t, clip_denoised=False)
             return {"loss": vb, "mse": mse.detach(), "vb": vb}
+        # `none` skips the product: its loss is L_simple itself, bitwise, at no cost.
+        simple = mse if self.weighting is Weighting.NONE else self._gather(self.mse_weights, t, 1) * mse
         if not self.learns_variance:
-            return {"loss": mse, "mse": mse, "vb": torch.zeros_like(mse)}
+            return {"loss": simple, "mse": mse, "vb": torch.zeros_like(mse)}
         # The VLB trains only the variance: the mean it sees is a constant (stop-gradient).
         frozen = torch.cat([out[:, :c].detach(), out[:, c:]], dim=1)
         vb, _ = self._vb_terms_bpd(frozen, x0, xt, t, clip_denoised=False)
@@ -363,7 +427,7 @@ class GaussianDiffusion:
             # IDDPM: "divide by 1000 for equivalence with initial implementation"; without it the
             # VB term overwhelms the MSE term.
             vb = vb * (self.num_timesteps / 1000.0)
-        return {"loss": mse + vb, "mse": mse, "vb": vb}
+        return {"loss": simple + vb, "mse": mse, "vb": vb}
 
     # --- samplers ---
 
@@ -559,12 +623,15 @@ def from_params(diffusion_params, respacing: str = "") -> GaussianDiffusion:
                 last = ac
                 kept.append(i)
         betas = np.array(new_betas)
+    # The keys of the weighting not chosen are null (params.py refuses them set).
+    weighting = {k: v for k in ("min_snr_gamma", "p2_k", "p2_gamma") if (v := getattr(p, k)) is not None}
     return GaussianDiffusion(betas, p.prediction, p.variance, p.loss, timestep_map=kept,
-                             rescale_timesteps=getattr(p, "rescale_timesteps", False), original_num_steps=p.timesteps)
+                             rescale_timesteps=getattr(p, "rescale_timesteps", False), original_num_steps=p.timesteps,
+                             loss_weighting=p.loss_weighting, **weighting)
 
 
 __all__ = [
     "GaussianDiffusion", "from_params", "get_beta_schedule", "space_timesteps", "normal_kl",
     "discretized_gaussian_log_likelihood", "approx_standard_normal_cdf", "guided_model_fn", "mean_flat",
-    "Prediction", "Variance", "Loss",
+    "Prediction", "Variance", "Loss", "Weighting", "mse_weights",
 ]
