@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import json
 import types
 import typing
@@ -228,6 +229,20 @@ class IntrospectParams:
     dump_modules: list[str] = _f([], doc="Modules to dump, among the hooked `modules`; needed by `dump_steps`.")
     dump_max_mb: float = _f(16.0, min=0.0, doc="Cap on dumped megabytes per step; later tensors are skipped "
                                                "with a warning.")
+    noise_scale: bool = _f(True, doc="Measure the gradient noise scale B_simple (McCandlish et al. 2018) on every "
+                                     "step that has two batch sizes (train.grad_accum >= 2 or several processes: "
+                                     "hooks, no extra pass); otherwise it comes from the noise-level buckets' halves "
+                                     "on recorded steps. Logged as gns_g2, gns_trace, gns_b_simple.")
+    noise_scale_halflife: float = _f(500.0, min=1.0, doc="Half-life in steps of the averages of |G|² and tr(Σ) "
+                                                         "whose ratio is the logged gns_b_simple.")
+    noise_buckets: int = _f(4, min=0, max=64, doc="On recorded steps, split the batch's gradient into this many "
+                                                  "noise-level buckets of equal width in `noise_bucket_space` (the "
+                                                  "noise_levels table: norms, shares, conflicts, noise scales); 0: "
+                                                  "off. Costs 2 x buckets extra backward passes per recorded step.")
+    noise_bucket_edges: list[float] = _f([], doc="Interior bucket edges instead (ascending, in "
+                                                 "`noise_bucket_space` units): N edges make N + 1 buckets.")
+    noise_bucket_space: str = _f("t", choices=("t", "logsnr"), doc="Bucket edges in timesteps t, or in log-SNR "
+                                                                   "log(alpha_bar / (1 - alpha_bar)).")
 
 
 @dataclass(frozen=True)
@@ -296,6 +311,9 @@ class ReportParams:
     """Read by `report`."""
 
     top_k: int = _f(8, min=1, doc="Rows drawn as lines in grad_norm_topk.png (largest mean norm).")
+    conflict_steps: list[int] = _f([], min=1, doc="Recorded steps whose noise-level conflict matrix "
+                                                  "noise_level_conflicts.png draws; [] (or none recorded): the "
+                                                  "first, middle and last recorded steps.")
 
 
 @dataclass(frozen=True)
@@ -451,6 +469,7 @@ def _check_cross_field(obj, path: str) -> None:
                 if st > obj.train.steps:
                     raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
                                       f"{obj.train.steps}); steps count completed updates, 1..train.steps")
+        _check_noise_buckets(obj)
         if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
             raise ParamsError(f"superres.low_res: {obj.superres.low_res} is not below data.image_size "
                               f"({obj.data.image_size}); give the low-res side, e.g. {obj.data.image_size // 2}")
@@ -465,6 +484,34 @@ def _check_cross_field(obj, path: str) -> None:
             space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)
         except ValueError as e:
             raise ParamsError(f"sample.respacing: {e} (with diffusion.timesteps: {obj.diffusion.timesteps})") from None
+
+
+def _check_noise_buckets(obj: "Params") -> None:
+    """Bucket edges that make buckets, each holding examples at this batch (t edges; log-SNR edges
+    are checked against the schedule when training starts)."""
+    ip, T = obj.introspect, obj.diffusion.timesteps
+    edges = ip.noise_bucket_edges
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ParamsError(f"introspect.noise_bucket_edges: {edges} must be strictly ascending")
+    if edges and ip.noise_bucket_space == "t":
+        bad = [e for e in edges if not 0 < e < T]
+        if bad:
+            raise ParamsError(f"introspect.noise_bucket_edges: {bad[0]} is outside (0, {T}) (t edges, "
+                              f"diffusion.timesteps: {T})")
+        bounds = [0, *edges, T]
+        widths = [len(range(math.ceil(lo), math.ceil(hi))) for lo, hi in zip(bounds, bounds[1:])]
+    elif not edges and ip.noise_bucket_space == "t" and ip.noise_buckets:
+        widths = [len(range(math.ceil(T * k / ip.noise_buckets), math.ceil(T * (k + 1) / ip.noise_buckets)))
+                  for k in range(ip.noise_buckets)]
+    else:
+        return
+    batch = obj.train.batch_per_proc * obj.train.grad_accum * obj.train.nproc
+    key = "introspect.noise_bucket_edges" if edges else "introspect.noise_buckets"
+    for b, w in enumerate(widths):
+        if batch * w / T < 2:
+            raise ParamsError(f"{key}: bucket {b} holds {w} of {T} timesteps, {batch * w / T:.2g} examples per step "
+                              f"at the batch of {batch}; each needs 2 or more (widen it, use fewer buckets or a "
+                              "larger batch)")
 
 
 # Each weighting's keys and the papers' values that null stands for (Hang et al. 2023; Choi et al. 2022).

@@ -10,6 +10,7 @@ See docs/INTROSPECTION.md for the semantics of every column.
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -39,6 +40,8 @@ STEPS_SCHEMA = pa.schema([
     ("skipped", pa.bool_()),               # optimizer step skipped (non-finite grads under GradScaler)
     ("loss_scale", pa.float64()),          # 1.0 without GradScaler
     ("lr", pa.float64()),
+    ("gns_g2", pa.float64()),              # this step's unbiased |G|² estimate (training/noise_scale.py); NaN: none
+    ("gns_trace", pa.float64()),           # this step's unbiased tr(Σ) estimate (per-example gradient noise)
 ])
 ACT_GRADS_SCHEMA = pa.schema([
     ("step", pa.int64()),
@@ -58,8 +61,24 @@ ACT_GRADS_SCHEMA = pa.schema([
     ("hist_lo", pa.float64()),
     ("hist_hi", pa.float64()),
 ])
-SCHEMAS = {"param_grads": PARAM_GRADS_SCHEMA, "steps": STEPS_SCHEMA, "act_grads": ACT_GRADS_SCHEMA}
-TSV_COLUMNS = ("step", "total_grad_norm", "clip_threshold", "clipped", "skipped", "loss_scale", "lr")
+NOISE_LEVELS_SCHEMA = pa.schema([     # training/noise_levels.py: one row per (step, noise-level bucket)
+    ("step", pa.int64()),
+    ("bucket", pa.int32()),         # 0 = the least noisy
+    ("space", pa.string()),         # "t" | "logsnr": the units of lo and hi
+    ("lo", pa.float64()),           # the bucket's edges ([lo, hi) in t; in log-SNR, lo < hi too)
+    ("hi", pa.float64()),
+    ("examples", pa.int64()),       # examples of the step's global batch in the bucket
+    ("grad_norm", pa.float64()),    # |G_b|: the bucket's part of the step's gradient (they sum to G)
+    ("share", pa.float64()),        # <G_b, G> / |G|²: the parts of the update; they sum to 1
+    ("cos", pa.list_(pa.float64())),  # cosine of G_b with each bucket's G_c (the conflict matrix's row b)
+    ("g2", pa.float64()),           # |mean gradient of the bucket|², unbiased (two halves of the bucket)
+    ("trace", pa.float64()),        # tr(Σ) of the bucket's per-example gradients, unbiased
+    ("b_simple", pa.float64()),     # trace / g2; NaN when g2 <= 0 (the noise hides the bucket's signal)
+])
+SCHEMAS = {"param_grads": PARAM_GRADS_SCHEMA, "steps": STEPS_SCHEMA, "act_grads": ACT_GRADS_SCHEMA,
+           "noise_levels": NOISE_LEVELS_SCHEMA}
+TSV_COLUMNS = ("step", "total_grad_norm", "clip_threshold", "clipped", "skipped", "loss_scale", "lr", "gns_g2",
+               "gns_trace")
 
 
 # --- tables -----------------------------------------------------------------------------------
@@ -70,7 +89,7 @@ _PART = re.compile(r"part-(\d{9})-(\d{9})\.parquet")
 class TableWriter:
     """Fixed-schema parquet tables under `out_dir`, one directory per table, one file per chunk.
 
-    Layout: `param_grads/`, `steps/`, `act_grads/` hold `part-<first step>-<last step>.parquet`
+    Layout: `param_grads/`, `steps/`, `act_grads/`, `noise_levels/` hold `part-<first step>-<last step>.parquet`
     (read a whole table with `pandas.read_parquet(out_dir / "param_grads")`); `steps.tsv` is the
     per-step summary for `dvc plots`; `dumps/step-<step>.safetensors` the full-gradient dumps.
     Construct it on rank 0 only. Steps count completed updates (1 = the first). `start_step` is
@@ -136,17 +155,18 @@ class TableWriter:
         files.atomic_write(path, lambda tmp: pq.write_table(t, tmp))
 
     def add(self, step: int, *, params: list[dict] | None = None, summary: dict | None = None,
-            activations: list[dict] | None = None, dumps: dict[str, "torch.Tensor"] | None = None,
-            dump_metadata: dict[str, str] | None = None) -> None:
+            activations: list[dict] | None = None, noise_levels: list[dict] | None = None,
+            dumps: dict[str, "torch.Tensor"] | None = None, dump_metadata: dict[str, str] | None = None) -> None:
         """Buffers one step's rows; flushes when `flush_every` steps have passed since the last flush
         or `max_rows` rows are buffered."""
         self._last_step = max(self._last_step, step)
-        for table, rows in (("param_grads", params), ("act_grads", activations), ("steps", [summary] if summary else None)):
+        for table, rows in (("param_grads", params), ("act_grads", activations), ("steps", [summary] if summary else None),
+                            ("noise_levels", noise_levels)):
             if rows:
                 self._buf[table].append(pa.Table.from_pylist(rows, schema=SCHEMAS[table]))
                 self._rows += len(rows)
         if summary is not None:
-            self._tsv_buf.append("\t".join(_tsv_value(summary[c]) for c in TSV_COLUMNS) + "\n")
+            self._tsv_buf.append("\t".join(_tsv_value(summary.get(c, math.nan)) for c in TSV_COLUMNS) + "\n")
         if dumps:
             (self.out_dir / "dumps").mkdir(exist_ok=True)
             path = self.out_dir / "dumps" / f"step-{step:09d}.safetensors"
@@ -193,4 +213,4 @@ def read_table(out_dir: str | Path, table: str):
     return SCHEMAS[table].empty_table().to_pandas()
 
 
-__all__ = ["PARAM_GRADS_SCHEMA", "STEPS_SCHEMA", "ACT_GRADS_SCHEMA", "SCHEMAS", "TSV_COLUMNS", "TableWriter", "read_table"]
+__all__ = ["PARAM_GRADS_SCHEMA", "STEPS_SCHEMA", "ACT_GRADS_SCHEMA", "NOISE_LEVELS_SCHEMA", "SCHEMAS", "TSV_COLUMNS", "TableWriter", "read_table"]

@@ -17,6 +17,7 @@ See docs/INTROSPECTION.md for the semantics of every column.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import math
@@ -215,6 +216,7 @@ class ActivationGradRecorder:
         # slot 2*i: output of module i, slot 2*i+1: its input
         self._slots = [(n, t) for n in self.names for t in ("output", "input")]
         self._armed = False
+        self._paused = False
         self._step = -1
         self._scale = 1.0
         self._calls: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (slot, stats, hist) this step
@@ -264,9 +266,20 @@ class ActivationGradRecorder:
 
     def _make_tensor_hook(self, slot: int):
         def tensor_hook(grad: torch.Tensor):
-            self._accumulate(slot, grad)
+            if not self._paused:
+                self._accumulate(slot, grad)
             return None
         return tensor_hook
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Backward passes that are not the training's (the noise-level instrument's extra ones run
+        through the same graph) are not recorded: each gradient is recorded once."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     @torch.no_grad()
     def _accumulate(self, slot: int, g: torch.Tensor) -> None:

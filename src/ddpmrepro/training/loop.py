@@ -38,6 +38,7 @@ from . import checkpoint as ckpt
 from .batches import TrainBatches, TrainExamples, step_seed
 from .code_version import code_version
 from .ema import EMA
+from .noise_scale import NoiseScale
 from .nonfinite import NonfiniteSteps
 from .recording import Introspection
 from .stats import RunningStats
@@ -159,7 +160,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     sampler_updates = DeferredUpdates(sampler)
     nonfinite = NonfiniteSteps(p.on_nonfinite, p.precision, scaler, device)
     # Running means of the log line, kept on the device (no host sync between log steps).
-    stats = RunningStats({"loss": 1, "mse": 1, "vb": 1, "loss_q": 4}, device)
+    stats = RunningStats({"loss": 1, "mse": 1, "vb": 1, "loss_q": 4, "gns_small_sq": 1, "gns_big_sq": 1,
+                          "gns_g2": 1, "gns_trace": 1}, device)
     last = LastSummary()  # the last logged values: exported with the model, kept by a rerun that has no step left
 
     # Resume from the newest checkpoint of this exact run: checkpoints/<params+data>/<code>/.
@@ -167,10 +169,16 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     run_id = run_hash(params, manifest["splits"]["train"]["sha256"])
     version = code_version()
     ckpt_dir = paths.checkpoint_root / run_id / version
+    # The gradient noise scale from the step's microbatches and ranks (hooks; nothing on one batch a step).
+    ip = params.introspect
+    noise_scale = NoiseScale(raw_model, enabled=ip.noise_scale, micro_batch=p.batch_per_proc, grad_accum=p.grad_accum,
+                             world=world, halflife_steps=ip.noise_scale_halflife)
     checkpoint = ckpt.CheckpointIO(model=raw_model, optimizer=opt, scaler=scaler, ema=ema, sampler=sampler,
-                                   nonfinite=nonfinite, log_sums=stats, summary=last)
-    # The recorders' patterns are checked against this model here, before anything is written.
-    introspection = Introspection(raw_model, params.introspect, last_step=p.steps)
+                                   nonfinite=nonfinite, log_sums=stats, noise_scale=noise_scale, summary=last)
+    # The recorders' patterns and the noise-level buckets are checked here, before anything is written.
+    introspection = Introspection(raw_model, ip, last_step=p.steps, alphas_cumprod=diffusion.alphas_cumprod,
+                                  batch_per_step=p.batch_per_proc * p.grad_accum * world, noise_scale=noise_scale,
+                                  stats=stats, device=device)
     if not restart:
         _refuse_interrupted_run_of_other_code(ckpt_dir, p.steps)
     with ckpt.RunLock(ckpt_dir) if main else contextlib.nullcontext():
@@ -220,8 +228,12 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     with sync:
                         losses = diffusion.training_losses(model_fn, mb.x0, mb.t, noise=mb.noise)
                         sampler_updates.add(mb.t, losses["loss"])
-                        loss = (losses["loss"] * mb.weights).mean() / p.grad_accum
+                        weighted = losses["loss"] * mb.weights
+                        # Recorded steps: each noise level's part of the gradient (extra passes, same graph).
+                        introspection.measure(weighted, mb.t, grad_multiplier=1 / p.grad_accum, loss_scale=loss_scale)
+                        loss = weighted.mean() / p.grad_accum
                         scaler.scale(loss).backward()
+                    noise_scale.after_backward(p.grad_accum / loss_scale)  # this microbatch's own gradient norm
                     # Only finite losses enter the log's means (a skipped NaN step would poison the window's).
                     finite = torch.isfinite(losses["loss"])
                     for name in ("loss", "mse", "vb"):
@@ -239,7 +251,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Update the EMA weights (not on skipped steps: the weights did not move).
                 if not skipped:
                     ema.update()
-                introspection.end(done, total_norm=total_norm, clip_threshold=p.grad_clip, skipped=skipped,
+                gns_step = noise_scale.after_step(stats, total_norm, recorded=introspection.recording)
+                introspection.end(done, gns_step, total_norm=total_norm, clip_threshold=p.grad_clip, skipped=skipped,
                                   loss_scale=loss_scale, lr=lr_at(step, p))
 
                 # Log: one host copy per log step. Not at a stop: logs stay at the steps an
@@ -250,9 +263,11 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 if log_now or save_now:
                     nonfinite.check(saved_step)
                 if log_now:
-                    last.summary = {"step": done, **stats.means(), "grad_norm": float(total_norm), "lr": lr_at(step, p),
+                    means = stats.means()
+                    gns = noise_scale.log_values(means, steps_in_window=done - (done - 1) // p.log_every * p.log_every)
+                    last.summary = {"step": done, **means, "grad_norm": float(total_norm), "lr": lr_at(step, p),
                                     "loss_scale": loss_scale, "skipped_steps": nonfinite.skipped_steps,
-                                    "images_per_sec": train_log.throughput(done)}
+                                    "images_per_sec": train_log.throughput(done), **gns}
                     train_log.log(done, last.summary)
 
                 # Checkpoint atomically every k steps, at the end, and when asked to stop.

@@ -1,12 +1,15 @@
-"""Introspection as the loop sees it: on recorded steps, parameter-gradient norms and hooked
-activation gradients go into the tables; on the other steps nothing is measured at all.
+"""Introspection as the loop sees it: on recorded steps, parameter-gradient norms, hooked
+activation gradients and the gradients by noise level go into the tables; on the other steps
+nothing is measured at all.
 
-The loop calls it at three points of a step: `begin` (arms the activation hooks), `capture`
-(after the gradients are all-reduced and unscaled, before clipping scales them in place) and
-`end` (collects over ranks, hands the rows to the table writer on rank 0).
+The loop calls it at four points of a step: `begin` (arms the activation hooks), `measure` after
+each microbatch's forward (the noise-level buckets' extra backward passes), `capture` (after the
+gradients are all-reduced and unscaled, before clipping scales them in place) and `end` (collects
+over ranks, hands the rows to the table writer on rank 0).
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -14,6 +17,8 @@ import torch
 from ..params import IntrospectParams, ParamsError
 from ..runtime import distributed as D
 from . import introspect
+from .noise_levels import NoiseLevelGradients
+from .noise_scale import NoiseScale
 
 
 class Introspection:
@@ -22,8 +27,12 @@ class Introspection:
     The recorders' patterns are checked against the model when this is built, before anything
     is written, and a pattern that matches nothing is a one-line `ParamsError`."""
 
-    def __init__(self, raw_model: torch.nn.Module, ip: IntrospectParams, *, last_step: int):
+    def __init__(self, raw_model: torch.nn.Module, ip: IntrospectParams, *, last_step: int, alphas_cumprod,
+                 batch_per_step: int, noise_scale: NoiseScale, stats, device: torch.device):
         self.every, self.steps, self.last_step = ip.every, [*ip.steps, *ip.dump_steps], last_step
+        self.noise_scale, self.stats = noise_scale, stats
+        self.levels = NoiseLevelGradients(raw_model, alphas_cumprod, ip, batch_per_step=batch_per_step,
+                                          device=device) if ip.noise_buckets or ip.noise_bucket_edges else None
         self.main = D.is_main()
         try:
             self.grads = introspect.ParamGradRecorder(raw_model.named_parameters(), ip.params,
@@ -60,20 +69,38 @@ class Introspection:
             self.activations.arm(done, loss_scale=loss_scale)
         return self.recording
 
+    def measure(self, weighted_losses: torch.Tensor, t: torch.Tensor, *, grad_multiplier: float,
+                loss_scale: float) -> None:
+        """On recorded steps, the noise-level buckets' parts of this microbatch's gradient (extra backward
+        passes through its graph, which neither the hooks nor the noise scale count)."""
+        if self.recording and self.levels is not None:
+            with self.activations.paused(), self.noise_scale.paused():
+                self.levels.measure(weighted_losses, t,
+                                    grad_multiplier=grad_multiplier, loss_scale=loss_scale, batch=len(t))
+
     def capture(self, done: int) -> None:
         """The parameter gradients as the optimizer will see them, before clipping."""
         if self.recording and self.main:
             self.grads.capture(done)
 
-    def end(self, done: int, **step_values) -> None:
-        """After the update: the recorded rows into the tables (`step_values`: total_norm, clip_threshold,
+    def end(self, done: int, gns_step: tuple[float, float], **step_values) -> None:
+        """After the update: the recorded rows into the tables (`gns_step`: the noise scale's own
+        estimate of this step, NaN where it has none; `step_values`: total_norm, clip_threshold,
         skipped, loss_scale, lr, for the steps table). A collective on recorded steps: every rank calls it."""
         if not self.recording:
             return
         act_rows = self.activations.collect()
+        level_rows, halves = self.levels.finish() if self.levels is not None else ([], (math.nan, math.nan))
+        if not self.noise_scale.enabled and all(map(math.isfinite, halves)):
+            # one batch per step: the noise scale comes from the halves of the recorded steps
+            self.stats.report("gns_g2", torch.tensor([halves[0]], dtype=torch.float64))
+            self.stats.report("gns_trace", torch.tensor([halves[1]], dtype=torch.float64))
+        g2, trace = gns_step if all(map(math.isfinite, gns_step)) else halves
         if self.main:
             param_rows, step_row = self.grads.finish(**step_values)
+            step_row.update(gns_g2=g2, gns_trace=trace)
             self.writer.add(done, params=param_rows, summary=step_row, activations=act_rows,
+                            noise_levels=[{"step": done, **r} for r in level_rows],
                             dumps=self.activations.take_dumps())
 
     def flush(self) -> None:
