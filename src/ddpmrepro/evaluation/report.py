@@ -132,6 +132,73 @@ def _total_norm(steps: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path)
 
 
+def _bucket_label(row) -> str:
+    unit = "t" if row["space"] == "t" else "log-SNR"
+    return f"{int(row['bucket'])}: {unit} [{row['lo']:.3g}, {row['hi']:.3g})"
+
+
+def _noise_level_shares(levels: pd.DataFrame, path: Path) -> Path:
+    """Each noise level's share of the update (<G_b, G>/|G|²) and its gradient norm over training."""
+    fig, (ax_share, ax_norm) = plt.subplots(1, 2, figsize=(12, 4))
+    for b, rows in levels.sort_values("step").groupby("bucket"):
+        label = _bucket_label(rows.iloc[0])
+        ax_share.plot(rows["step"], rows["share"], lw=1, marker=".", ms=3, label=label)
+        ax_norm.plot(rows["step"], rows["grad_norm"], lw=1, marker=".", ms=3, label=label)
+    ax_share.axhline(0, color="k", lw=0.5)
+    ax_share.set_title("Share of the update by noise level (sums to 1; < 0: against the step)")
+    ax_share.set_xlabel("step")
+    ax_share.legend(fontsize=7, title="bucket (0 = least noise)", title_fontsize=7)
+    ax_norm.set_yscale("log")
+    ax_norm.set_title("Gradient norm of each noise level's part |G_b|")
+    ax_norm.set_xlabel("step")
+    return _save(fig, path)
+
+
+def _conflict_matrices(levels: pd.DataFrame, steps: list[int], path: Path) -> Path:
+    """The cosine between the buckets' gradients at chosen steps: < 0 is the noise levels pulling
+    against each other (Min-SNR's "conflicting optimization directions")."""
+    fig, axes = plt.subplots(1, len(steps), figsize=(3.6 * len(steps) + 1, 3.4), squeeze=False)
+    for ax, st in zip(axes[0], steps):
+        rows = levels[levels["step"] == st].sort_values("bucket")
+        cos = np.array(rows["cos"].tolist(), dtype=float)
+        im = ax.imshow(cos, vmin=-1, vmax=1, cmap="RdBu")
+        for (i, j), v in np.ndenumerate(cos):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_title(f"step {st}", fontsize=9)
+        ax.set_xticks(range(len(rows)))
+        ax.set_yticks(range(len(rows)))
+        ax.set_xlabel("bucket (0 = least noise)", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="cos(G_b, G_c)")
+    fig.suptitle("Gradient conflicts between noise levels", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _noise_scale(metrics: dict[str, pd.DataFrame], steps: pd.DataFrame, path: Path) -> Path:
+    """B_simple from the smoothed |G|² and tr(Σ), and the per-step estimates it averages."""
+    fig, (ax_b, ax_terms) = plt.subplots(1, 2, figsize=(12, 4))
+    b = metrics.get("gns_b_simple")
+    if b is not None:
+        ax_b.plot(b["step"], b["value"], lw=1.5, label="B_simple (smoothed)")
+    ax_b.set_title("Gradient noise scale B_simple = tr(Σ) / |G|²")
+    ax_b.set_xlabel("step")
+    ax_b.set_ylabel("examples")
+    ax_b.legend(fontsize=7)
+    for name, color in (("gns_g2", "tab:blue"), ("gns_trace", "tab:orange")):
+        if name in metrics:
+            m = metrics[name]
+            ax_terms.plot(m["step"], m["value"], lw=1, color=color, label=f"{name} (log window mean)")
+        if name in steps and steps[name].notna().any():
+            ax_terms.scatter(steps["step"], steps[name], s=6, color=color, alpha=0.4, label=f"{name} (one step)")
+    ax_terms.axhline(0, color="k", lw=0.5)
+    ax_terms.set_yscale("symlog")
+    ax_terms.set_title("Unbiased |G|² and tr(Σ) (|G|² can be < 0 on one step)")
+    ax_terms.set_xlabel("step")
+    ax_terms.legend(fontsize=7)
+    return _save(fig, path)
+
+
 def read_live_metrics(live_dir: Path) -> dict[str, pd.DataFrame]:
     """dvclive's `plots/metrics/**/*.tsv`: name -> DataFrame with columns step, value."""
     root = Path(live_dir) / "plots" / "metrics"
@@ -242,6 +309,15 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
         written.append(_save(fig, out / "grad_norm_topk.png"))
     if len(st):
         written.append(_total_norm(st, out / "total_grad_norm.png"))
+    levels = read_table(introspect_dir, "noise_levels")
+    if len(levels):
+        written.append(_noise_level_shares(levels, out / "noise_level_shares.png"))
+        recorded = sorted(levels["step"].unique())
+        chosen = [s for s in params.conflict_steps if s in recorded] or \
+            sorted({recorded[0], recorded[len(recorded) // 2], recorded[-1]})
+        written.append(_conflict_matrices(levels, chosen, out / "noise_level_conflicts.png"))
+    if "gns_b_simple" in metrics or (len(st) and st["gns_g2"].notna().any()):
+        written.append(_noise_scale(metrics, st, out / "noise_scale.png"))
     written.append(_training_curves(metrics, out / "training_curves.png"))
     return written
 

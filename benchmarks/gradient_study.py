@@ -1,0 +1,160 @@
+"""IDDPM's finding about gradient noise, and Min-SNR's convergence claim, on the bundled data,
+through `dvc exp run` alone (issue 32, item 5).
+
+    PYTHONPATH=src python benchmarks/gradient_study.py --workdir /tmp/gradient-study [--seeds 0 1] [--steps 800]
+
+Builds a git + DVC repo of the pipeline (the default params, so digits) and runs one `dvc exp run`
+per (configuration, seed). Every run uses the default global batch of 128 as 2 microbatches of 64,
+so the gradient noise scale is measured on every step (docs/INTROSPECTION.md):
+
+- IDDPM (Nichol & Dhariwal 2021, sec. 3.3): learned variances, L_vb (`diffusion.loss: kl`) with
+  uniform timesteps, L_vb with their loss-second-moment importance sampling, and L_hybrid (uniform).
+  They found L_vb's gradient far noisier than L_hybrid's, and importance sampling to reduce it.
+- Min-SNR (Hang et al. 2023): `diffusion.loss_weighting: min_snr` (gamma 5) against `none`, eps
+  prediction, fixed variances: the evaluator's metrics after the same number of steps.
+
+After each run it keeps the run's dvclive curves and metrics.json, then writes
+benchmarks/results/gradient_study.json (per run: the noise scale averaged over the second half of
+training, the last logged vb/mse, the final metrics) and gradient_study.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from project_copy import copy_project  # noqa: E402
+from results_io import command_line, write_result  # noqa: E402
+
+LEARNED = {"diffusion.variance": "learned_range"}
+CONFIGS = {  # name: the -S overrides of the run
+    "vb_uniform": {**LEARNED, "diffusion.loss": "kl", "train.timestep_sampler": "uniform"},
+    "vb_importance": {**LEARNED, "diffusion.loss": "kl", "train.timestep_sampler": "loss-second-moment"},
+    "hybrid_uniform": {**LEARNED, "diffusion.loss": "hybrid", "train.timestep_sampler": "uniform"},
+    "mse_none": {"diffusion.loss_weighting": "none", "train.timestep_sampler": "uniform"},
+    "mse_min_snr5": {"diffusion.loss_weighting": "min_snr", "train.timestep_sampler": "uniform"},
+}
+
+
+def sh(repo: Path, *cmd: str, env: dict) -> str:
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def make_repo(workdir: Path, steps: int, env: dict) -> Path:
+    repo = workdir / "repo"
+    if repo.exists():
+        shutil.rmtree(repo)
+    repo.mkdir(parents=True)
+    copy_project(repo)
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["train"].update(steps=steps, batch_per_proc=64, grad_accum=2)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for cmd in (["git", "init", "-q", "-b", "main"], ["dvc", "init", "-q"], ["git", "add", "-A"],
+                ["git", "commit", "-qm", "study params"]):
+        sh(repo, *cmd, env=env)
+    return repo
+
+
+def series(live: Path, name: str) -> list[tuple[int, float]]:
+    f = live / "plots" / "metrics" / f"{name}.tsv"
+    if not f.exists():
+        return []
+    lines = f.read_text().splitlines()
+    header = lines[0].split("\t")
+    i_step, i_value = header.index("step"), header.index(name)
+    rows = [ln.split("\t") for ln in lines[1:] if ln]
+    return [(int(r[i_step]), float(r[i_value])) for r in rows]
+
+
+def summarise(run_dir: Path, steps: int) -> dict:
+    live = run_dir / "live"
+    out = {"metrics": json.loads((run_dir / "metrics.json").read_text())}
+    for name in ("gns_b_simple", "gns_g2", "gns_trace", "vb", "mse", "loss"):
+        s = series(live, name)
+        out[f"{name}_curve"] = s
+        late = [v for st, v in s if st > steps // 2 and math.isfinite(v)]
+        out[f"{name}_late_mean"] = statistics.fmean(late) if late else math.nan
+    # B_simple from the late averages of both terms (the smoothed value at the end is another view)
+    g2, tr = out["gns_g2_late_mean"], out["gns_trace_late_mean"]
+    out["b_simple_late"] = tr / g2 if g2 > 0 else math.nan
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gradient_study.json")
+    a = ap.parse_args()
+    env = {k: v for k, v in os.environ.items() if k != "DDPMREPRO_CPU_SLOTS"}
+    env.update(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"], DVC_NO_ANALYTICS="1",
+               DDPMREPRO_CPU_LOCK_DIR=str(a.workdir / "cpu-locks"))
+    repo = make_repo(a.workdir, a.steps, env)
+    runs = {}
+    for name in a.configs:
+        for seed in a.seeds:
+            t0 = time.perf_counter()
+            sets = [f"{k}={v}" for k, v in {**CONFIGS[name], "train.seed": seed}.items()]
+            sh(repo, "dvc", "exp", "run", "-n", f"{name}-s{seed}", *[x for s in sets for x in ("-S", s)], env=env)
+            keep = a.workdir / "runs" / f"{name}-s{seed}"
+            shutil.rmtree(keep, ignore_errors=True)
+            shutil.copytree(repo / "reports" / "train" / "live", keep / "live")
+            shutil.copy2(repo / "metrics.json", keep / "metrics.json")
+            runs[f"{name}-s{seed}"] = {"config": name, "seed": seed, "wall_s": time.perf_counter() - t0,
+                                       **summarise(keep, a.steps)}
+            r = runs[f"{name}-s{seed}"]
+            print(f"{name:16} seed {seed}: B_simple(late) {r['b_simple_late']:9.1f}  vb {r['vb_late_mean']:.4f}  "
+                  f"mse {r['mse_late_mean']:.4f}  fid {r['metrics'].get('fid', math.nan):.3f}  "
+                  f"acc {r['metrics'].get('class_acc', math.nan)}  ({r['wall_s']:.0f} s)", flush=True)
+    write_result({"command": command_line("gradient_study.py", a, skip=("out", "workdir")), "steps": a.steps,
+                  "seeds": a.seeds, "configs": CONFIGS, "runs": runs}, a.out)
+    plot(runs, a.out.with_suffix(".png"))
+
+
+def plot(runs: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_b, ax_vb, ax_mse) = plt.subplots(1, 3, figsize=(15, 4))
+    colors = {}
+    for key, r in runs.items():
+        c = colors.setdefault(r["config"], f"C{len(colors)}")
+        label = r["config"] if r["seed"] == min(x["seed"] for x in runs.values() if x["config"] == r["config"]) else None
+        for ax, name in ((ax_b, "gns_b_simple"), (ax_vb, "vb"), (ax_mse, "mse")):
+            s = r[f"{name}_curve"]
+            if s and (name != "vb" or r["config"].startswith(("vb", "hybrid"))):
+                ax.plot([x for x, _ in s], [y for _, y in s], color=c, lw=1, label=label)
+    ax_b.set_title("gradient noise scale B_simple (smoothed)")
+    ax_b.set_yscale("log")
+    ax_vb.set_title("L_vb per log window (nats/dim)")
+    ax_vb.set_yscale("log")
+    ax_mse.set_title("eps MSE per log window (unweighted)")
+    ax_mse.set_yscale("log")
+    for ax in (ax_b, ax_vb, ax_mse):
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
