@@ -812,3 +812,32 @@ def test_a_crash_in_a_worker_shows_its_traceback_and_names_torchruns_log(tmp_pat
         assert "ChildFailedError" in log.read_text() or "Root Cause" in log.read_text()
     finally:
         shutil.rmtree(log.parent)
+
+
+@pytest.mark.slow
+def test_the_gradient_instruments_change_no_bit_of_the_training(tmp_path, prepared):
+    """The noise-level buckets' extra backward passes (every step recorded) and the noise scale's hooks
+    (grad_accum 2) against a run with both off: the same weights, EMAs, parameter and activation
+    gradient tables (each activation gradient recorded once: the hooks pause for the extra passes)."""
+    import pandas as pd
+
+    from ddpmrepro.training import loop as T
+
+    def run(name, **introspect):
+        params = P.load(write_params(tmp_path / f"{name}.yaml", train={"steps": 4, "grad_accum": 2, "batch_per_proc": 8},
+                                     introspect={"every": 1, **introspect}))
+        paths = T.TrainPaths(prepared, tmp_path / name / "m", tmp_path / name / "l", tmp_path / name / "i",
+                             tmp_path / name / "c")
+        T.train(params, paths)
+        return tmp_path / name
+
+    on, off = run("on", noise_buckets=2), run("off", noise_buckets=0, noise_scale=False)
+    for f in ("model.safetensors", "ema_0.9.safetensors", "ema_0.99.safetensors"):
+        assert (on / "m" / f).read_bytes() == (off / "m" / f).read_bytes(), f
+    for table in ("param_grads", "act_grads"):
+        assert pd.read_parquet(on / "i" / table).equals(pd.read_parquet(off / "i" / table)), table
+    levels = pd.read_parquet(on / "i" / "noise_levels")
+    assert sorted(levels["step"].unique()) == [1, 2, 3, 4] and not len(pd.read_parquet(off / "i" / "noise_levels"))
+    steps = pd.read_parquet(on / "i" / "steps")
+    assert steps["gns_trace"].notna().all()  # every step has microbatches: its own estimate
+    assert pd.read_parquet(off / "i" / "steps")["gns_trace"].isna().all()
