@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from .. import files
+
 
 class TrainLog:
     """`log(done, summary)` at log steps; `images_per_sec` is measured here, between two log steps."""
@@ -65,7 +67,8 @@ def truncate_live_history(live_dir: Path, start_step: int) -> None:
         # A kill mid-append can leave a torn last row: keep only whole rows.
         kept = [r for r in rows if len(r.split("\t")) == len(fields) and r.split("\t")[col].isdigit()
                 and int(r.split("\t")[col]) <= start_step]
-        tsv.write_text("\n".join([header, *kept]) + "\n")
+        # Atomic: a kill during a plain rewrite could leave the file empty, the whole history lost.
+        files.atomic_write_text(tsv, "\n".join([header, *kept]) + "\n")
 
 
 def _progress(main: bool, start: int, total: int):
