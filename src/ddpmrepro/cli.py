@@ -459,7 +459,8 @@ def import_(params_path: Path, src: Path, fmt: str, out: Path, data_dir: Path, e
 
     \b
     Reads:  SRC; params `model.*`/`diffusion.*` (for .pt files, which hold only tensors; a
-            diffusers folder's config.json and scheduler_config.json set them); DATA's manifest.
+            diffusers folder's config.json and scheduler_config.json set them), `superres.low_res`
+            (> 0 for an improved-/guided-diffusion SuperResModel file); DATA's manifest.
     Writes: OUT/ema_<rate>.safetensors (or model.safetensors) + config.json (resolved params,
             source file and its sha256); `sample` and `evaluate` read it as a trained model.
     Fails, writing nothing, on a file of another architecture, a truncated file, missing or

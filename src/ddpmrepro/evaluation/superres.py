@@ -28,7 +28,7 @@ from ..data import load_prepared, to_model_range, to_uint8
 from ..model.superres import augment, bicubic_upsample, downsample
 from ..model_dir import load_model
 from ..params import Params, ParamsError
-from .sample import bind_labels, image_seed, process, run_sampler, save_grid
+from .sample import bind_labels, check_guidance, image_seed, process, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).
@@ -98,6 +98,7 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
     if not side:
         raise ParamsError(f"{model_dir} is a base model (superres.low_res: 0 in its config.json); sample it with "
                           "`ddpmrepro sample`, or train an upsampler (docs/SUPERRES.md)")
+    check_guidance(params.sample, config, model_dir)
     level = params.superres.sample_noise_aug
     if level > trained.superres.noise_aug:
         raise ParamsError(f"superres.sample_noise_aug: {level} is above the noise_aug the model in {model_dir} was "
