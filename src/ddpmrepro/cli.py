@@ -366,8 +366,8 @@ def sample_superres(params_path: Path, model_dir: Path, data_dir: Path | None, l
     """Upsample low-res images with a trained super-resolution model (one process).
 
     \b
-    Reads:  params `sample.*`, `superres.sample_noise_aug`, `superres.low_res_from` (test split or a
-            base run's samples.npz: the cascade); MODEL; DATA (for `test`).
+    Reads:  params `sample.*`, `superres.sample_noise_aug`, `superres.project`, `superres.low_res_from`
+            (test split or a base run's samples.npz: the cascade); MODEL; DATA (for `test`).
     Writes: OUT/samples.npz (images, labels, seeds, low_res, source_index, from_test), OUT/grid.png.
     """
     import dataclasses
