@@ -35,6 +35,8 @@ from .sample import bind_labels, check_guidance, image_seed, process, run_sample
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).
+# A diagnostic of fidelity to the input, not a quality score, and not a property the model has
+# unless superres.project imposes it (docs/SUPERRES.md, "Consistency").
 CONSISTENCY_TOL = 2.0
 
 
