@@ -13,6 +13,7 @@ import os
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -579,6 +580,98 @@ def test_a_class_conditional_improved_diffusion_import_refuses_guidance(small_id
                "--data", str(root / "data")).exit_code == 0
     result = cli("sample", "--model", "model", "--out", "samples")
     assert result.exit_code == 2 and "sample.guidance" in result.stderr and not (tmp_path / "samples").exists()
+
+
+# --- improved-/guided-diffusion SuperResModel: an upsampler through the CLI ------------------------------------
+
+SMALL_SR = {  # a small class-conditional SuperResModel, 8x8 from 4x4: 2 heads, AdaGN, learned sigma
+    "model": {"channels": 32, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_resolutions": [4],
+              "num_heads": 2},
+    "diffusion": {"timesteps": 100, "schedule": "linear", "variance": "learned_range", "loss": "hybrid"},
+    "sample": {"ema_rate": 0.9999, "sampler": "ddim", "respacing": "ddim4", "per_class": 1, "guidance": 0.0},
+    # Their upsampler has no noise-level input: no conditioning augmentation in training or sampling.
+    "superres": {"low_res": 4, "noise_aug": 0.0, "sample_noise_aug": 0.0},
+}
+
+
+def _sr_params(path: Path, **superres) -> Path:
+    path.write_text(yaml.safe_dump({**SMALL_SR, "superres": {**SMALL_SR["superres"], **superres}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_sr(small_id):
+    """(workdir with data/, improved-diffusion's SuperResModel with every weight random, its .pt file)."""
+    root = small_id[0]
+    theirs = randomise(improved.SuperResModel(1, 32, 2, 1, (2,), channel_mult=(1, 2), num_heads=2, num_classes=10,
+                                              use_scale_shift_norm=True), seed=8)
+    torch.save(theirs.state_dict(), root / "sr_upsampler.pt")
+    return root, theirs, root / "sr_upsampler.pt"
+
+
+def test_an_improved_diffusion_upsampler_imports_exactly_and_samples(small_sr, tmp_path, monkeypatch):
+    from ddpmrepro.model.superres import SuperResUNet
+    from ddpmrepro.model_dir import load_model
+
+    root, theirs, pt = small_sr
+    monkeypatch.chdir(tmp_path)
+    params = _sr_params(tmp_path / "params.yaml")
+    result = cli("import", str(pt), "--format", "improved-diffusion", "--out", "models/sr", "--data",
+                 str(root / "data"), "-p", str(params))
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "models/sr/config.json").read_text())
+    assert config["params"]["superres"]["low_res"] == 4 and config["source"]["untrained_null_label"] is True
+    model, _, _ = load_model(tmp_path / "models/sr", 0.9999)
+    assert isinstance(model, SuperResUNet)
+    g = torch.Generator().manual_seed(2)
+    x, low = torch.randn(4, 1, 8, 8, generator=g), torch.rand(4, 1, 4, 4, generator=g) * 2 - 1
+    t, y = torch.tensor([0, 3, 50, 99]), torch.tensor([0, 4, 7, 9])
+    with torch.no_grad():
+        expected = theirs(x, t, low_res=low, y=y)
+        assert expected.abs().mean() > 0.01  # random weights: a real output, not a fresh model's zero
+        assert rel(model(x, t, y, low_res=low), expected) <= 1e-5  # measured 1.8e-7
+        # and the low-res input is read: another one changes their output (and ours the same way)
+        other = theirs(x, t, low_res=low.flip(-1), y=y)
+        assert rel(other, expected) > 1e-2 and rel(model(x, t, y, low_res=low.flip(-1)), other) <= 1e-5
+    # sample-superres reads the imported directory: the test split's inputs, upsampled.
+    result = cli("sample-superres", "-p", str(params), "--model", "models/sr", "--data", str(root / "data"),
+                 "--out", "samples")
+    assert result.exit_code == 0, result.output
+    with np.load(tmp_path / "samples/samples.npz") as z:
+        assert z["images"].shape == (10, 1, 8, 8) and z["low_res"].shape == (10, 1, 4, 4)
+    # Guidance is refused, as for an imported base model: the null label was never trained.
+    (tmp_path / "guided.yaml").write_text(yaml.safe_dump({**SMALL_SR, "sample": {**SMALL_SR["sample"], "guidance": 0.5}}))
+    result = cli("sample-superres", "-p", "guided.yaml", "--model", "models/sr", "--data", str(root / "data"),
+                 "--out", "guided")
+    assert result.exit_code == 2 and "sample.guidance" in result.stderr and not (tmp_path / "guided").exists()
+
+
+@pytest.mark.parametrize("case", ["no-low-res", "noise-aug", "base-model-as-upsampler", "diffusers", "export"])
+def test_an_upsampler_that_does_not_fit_the_params_is_one_line_and_writes_nothing(small_sr, small_id, tmp_path,
+                                                                                  monkeypatch, case):
+    root, _, pt = small_sr
+    monkeypatch.chdir(tmp_path)
+    args = [str(pt), "--format", "improved-diffusion"]
+    if case == "no-low-res":  # a SuperResModel file with superres.low_res unset
+        params, expected = _sr_params(tmp_path / "p.yaml", low_res=0), ["super-resolution", "set superres.low_res"]
+    elif case == "noise-aug":  # our conditioning augmentation's embedding is not in their file
+        params, expected = _sr_params(tmp_path / "p.yaml", noise_aug=0.2), ["superres.noise_aug", "noise-level"]
+    elif case == "base-model-as-upsampler":
+        params, expected = _sr_params(tmp_path / "p.yaml"), ["a base model", "superres.low_res (4)"]
+        args[0] = str(small_id[2])
+    elif case == "diffusers":
+        params, expected = _sr_params(tmp_path / "p.yaml"), ["superres.low_res", "diffusers"]
+        args = [str(tmp_path), "--format", "diffusers"]
+    else:  # export: diffusers has no pipeline for this UNet
+        params, expected = _sr_params(tmp_path / "p.yaml"), ["upsampler", "only base models export"]
+        assert cli("import", *args, "--out", "sr", "--data", str(root / "data"), "-p", str(params)).exit_code == 0
+    before = _snapshot(tmp_path)
+    if case == "export":
+        result = cli("export", "--format", "diffusers", "--model", "sr", "--out", "exported", "-p", str(params))
+    else:
+        result = cli("import", *args, "--out", "models/sr", "--data", str(root / "data"), "-p", str(params))
+    one_line_error(result, *expected)
+    assert _snapshot(tmp_path) == before
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpmrepro import params as P
-from ddpmrepro.model.superres import SuperResUNet, bicubic_upsample, build_superres, downsample
+from ddpmrepro.model.superres import SuperResUNet, bicubic_upsample, build_superres, downsample, project
 from ddpmrepro.model.unet import AttentionBlock
 
 oracle = pytest.importorskip("improved_diffusion_for_SMLM.improved_diffusion.unet")
@@ -104,3 +104,25 @@ def test_bicubic_upsampling_keeps_constant_images_and_rounds_to_uint8():
     up = bicubic_upsample(ramp, 10)
     ref = F.interpolate(ramp.float(), size=(10, 10), mode="bicubic", align_corners=False).round().clamp(0, 255)
     assert up.dtype == torch.uint8 and torch.equal(up.float(), ref)
+
+
+def test_projection_is_the_nearest_consistent_image_in_range():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.rand(3, 2, 12, 12, generator=g) * 2.4 - 1.2).clamp(-1, 1)  # many pixels at -1 and 1
+    low = torch.rand(3, 2, 4, 4, generator=g) * 2 - 1
+    low[0, 0, 0, 0], low[0, 0, 0, 1] = -1.0, 1.0  # the range's ends: the whole block clipped
+    out = project(x, low)
+    assert out.min() >= -1 and out.max() <= 1
+    assert torch.allclose(downsample(out, 4), low, atol=1e-6)
+    assert torch.allclose(project(out, low), out, atol=1e-6)  # idempotent
+    # nearest: no other consistent image in range is closer (consistent ones made from other images)
+    for seed in range(5):
+        other = project(torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1, low)
+        assert (out - x).norm() <= (other - x).norm() + 1e-6
+    # where nothing clips it is x + up(low - down(x)), nearest-neighbour up: the low frequencies swapped
+    small = x * 0.1
+    mid = low * 0.5
+    up = F.interpolate(mid - downsample(small, 4), scale_factor=3, mode="nearest")
+    assert torch.allclose(project(small, mid), small + up, atol=1e-6)
+    with pytest.raises(ValueError, match="whole multiple"):
+        project(torch.zeros(1, 1, 10, 10), torch.zeros(1, 1, 4, 4))

@@ -366,8 +366,8 @@ def sample_superres(params_path: Path, model_dir: Path, data_dir: Path | None, l
     """Upsample low-res images with a trained super-resolution model (one process).
 
     \b
-    Reads:  params `sample.*`, `superres.sample_noise_aug`, `superres.low_res_from` (test split or a
-            base run's samples.npz: the cascade); MODEL; DATA (for `test`).
+    Reads:  params `sample.*`, `superres.sample_noise_aug`, `superres.project`, `superres.low_res_from`
+            (test split or a base run's samples.npz: the cascade); MODEL; DATA (for `test`).
     Writes: OUT/samples.npz (images, labels, seeds, low_res, source_index, from_test), OUT/grid.png.
     """
     import dataclasses
@@ -459,7 +459,8 @@ def import_(params_path: Path, src: Path, fmt: str, out: Path, data_dir: Path, e
 
     \b
     Reads:  SRC; params `model.*`/`diffusion.*` (for .pt files, which hold only tensors; a
-            diffusers folder's config.json and scheduler_config.json set them); DATA's manifest.
+            diffusers folder's config.json and scheduler_config.json set them), `superres.low_res`
+            (> 0 for an improved-/guided-diffusion SuperResModel file); DATA's manifest.
     Writes: OUT/ema_<rate>.safetensors (or model.safetensors) + config.json (resolved params,
             source file and its sha256); `sample` and `evaluate` read it as a trained model.
     Fails, writing nothing, on a file of another architecture, a truncated file, missing or

@@ -21,8 +21,8 @@ import torch
 
 from . import files
 from .model.superres import build_superres
-from .model.unet import build_unet
-from .params import ParamsError, from_dict
+from .model.unet import UNet, build_unet
+from .params import Params, ParamsError, from_dict
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -77,6 +77,17 @@ def read_config(model_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def build_model(trained: Params, data: dict) -> UNet:
+    """The network (fresh weights) that params `trained` and config.json's `data` describe. An
+    upsampler (superres.low_res > 0) is IDDPM's super-resolution UNet. `import` builds its target
+    with this too, so what it writes is what `load_model` reads back."""
+    shape = dict(image_size=data["image_size"], in_channels=data["channels"], num_classes=data["num_classes"],
+                 learn_sigma=trained.diffusion.variance == "learned_range")
+    if trained.superres.low_res:
+        return build_superres(trained.model, trained.superres, **shape)
+    return build_unet(trained.model, **shape)
+
+
 def load_model(model_dir: Path, ema_rate: float, device="cpu"):
     """(the network with the chosen EMA weights (rate 0: the raw weights), eval mode on `device`;
     the params it was made with; config.json)."""
@@ -87,12 +98,7 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu"):
         raise ParamsError(f"sample.ema_rate={ema_rate:g} was not trained; available: "
                           f"{', '.join(f'{float(r):g}' for r in config['ema_rates'])} (or 0 for raw weights)")
     name = weights_file(ema_rate)
-    data = config["data"]
-    shape = dict(image_size=data["image_size"], in_channels=data["channels"], num_classes=data["num_classes"],
-                 learn_sigma=trained.diffusion.variance == "learned_range")
-    # An upsampler (superres.low_res > 0 in its params) is IDDPM's super-resolution UNet.
-    model = (build_superres(trained.model, trained.superres, **shape) if trained.superres.low_res
-             else build_unet(trained.model, **shape))
+    model = build_model(trained, config["data"])
     state = files.load_weights(model_dir / name)
     missing = set(model.state_dict()) ^ set(state)
     if missing:
@@ -103,4 +109,4 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu"):
 
 
 __all__ = ["MODEL_FILE", "CONFIG_FILE", "DATA_KEYS", "weights_file", "data_section", "write_model", "read_config",
-           "load_model"]
+           "build_model", "load_model"]

@@ -122,6 +122,10 @@ class SuperresParams:
                                                      "Models); 0: none, IDDPM's model exactly.")
     sample_noise_aug: float = _f(0.1, min=0.0, max=1.0, doc="Sampling: the noise std added to every low-res "
                                                             "input (and told to the network); at most noise_aug.")
+    project: bool = _f(False, doc="Sampling: replace each output's low frequencies by its input's (the "
+                                  "nearest image in [-1, 1] whose area-downsampling is the input), so the "
+                                  "output downsampled back is the input up to rounding; false: the network's "
+                                  "output as it is. No retraining (docs/SUPERRES.md, Consistency).")
     low_res_from: str = _f("test", doc="Sampling input: `test` (the test split, downsampled, so that PSNR/SSIM "
                                        "against the truth exist) or the path of a base run's samples.npz (the "
                                        "cascade).")

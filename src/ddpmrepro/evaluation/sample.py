@@ -80,6 +80,13 @@ def process(trained_diffusion, p: SampleParams, model_dir: Path):
                          f"{trained_diffusion.timesteps} timesteps)") from None
 
 
+def check_guidance(p: SampleParams, config: dict, model_dir: Path) -> None:
+    """Guidance needs a trained null label: an imported improved-/guided-diffusion model has none."""
+    if p.guidance and config.get("source", {}).get("untrained_null_label"):
+        raise ParamsError(f"sample.guidance={p.guidance:g}: {model_dir} was imported from a model without a null "
+                          "label (docs/MODELS.md), so guidance means nothing; set sample.guidance: 0")
+
+
 def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     p = params.sample
     device = torch.device("cuda", D.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
@@ -89,9 +96,7 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     if trained.superres.low_res:
         raise ParamsError(f"{model_dir} is an upsampler (superres.low_res: {trained.superres.low_res}); sample it "
                           "with `ddpmrepro sample-superres` (docs/SUPERRES.md)")
-    if p.guidance and config.get("source", {}).get("untrained_null_label"):
-        raise ParamsError(f"sample.guidance={p.guidance:g}: {model_dir} was imported from a model without a null "
-                          "label (docs/MODELS.md), so guidance means nothing; set sample.guidance: 0")
+    check_guidance(p, config, model_dir)
     data = config["data"]
     diffusion, nfe = process(trained.diffusion, p, model_dir)
     num_classes, shape = data["num_classes"], (data["channels"], data["image_size"], data["image_size"])

@@ -6,6 +6,9 @@ a path takes a base run's samples.npz (uint8 images and their labels): the casca
 draws its augmentation noise and all its sampling noise from its own generator seeded by
 (sample.seed, k), with any sampler, respacing and guidance of `sample.*`.
 
+With `superres.project` each output is projected, after sampling, onto the images whose
+area-downsampling is its uint8 input (`model.superres.project`): consistent by construction.
+
 Metrics (docs/SUPERRES.md), each for the model and for bicubic upsampling of the same inputs:
 PSNR and SSIM against the true images (test inputs only), consistency (the output area-
 downsampled back to the low-res side and rounded, against its uint8 input: mean absolute error in
@@ -25,13 +28,15 @@ import torch.nn.functional as F
 
 from .. import files
 from ..data import load_prepared, to_model_range, to_uint8
-from ..model.superres import augment, bicubic_upsample, downsample
+from ..model.superres import augment, bicubic_upsample, downsample, project
 from ..model_dir import load_model
 from ..params import Params, ParamsError
-from .sample import bind_labels, image_seed, process, run_sampler, save_grid
+from .sample import bind_labels, check_guidance, image_seed, process, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).
+# A diagnostic of fidelity to the input, not a quality score, and not a property the model has
+# unless superres.project imposes it (docs/SUPERRES.md, "Consistency").
 CONSISTENCY_TOL = 2.0
 
 
@@ -86,7 +91,10 @@ def upsample(model, diffusion, low_uint8: torch.Tensor, labels: torch.Tensor, se
         return model(x, t, y, **{k: torch.cat([v] * reps) for k, v in cond.items()})
 
     model_fn = bind_labels(net, model.label_embed is not None, labels, p.guidance, num_classes, device)
-    return to_uint8(run_sampler(diffusion, model_fn, (len(labels), *shape), gens, p, device).cpu())
+    x = run_sampler(diffusion, model_fn, (len(labels), *shape), gens, p, device).cpu()  # (B, C, H, W) in [-1, 1]
+    if params.superres.project:  # onto the clean input, not the augmented one the network saw
+        x = project(x, to_model_range(low_uint8))
+    return to_uint8(x)
 
 
 def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Path | None = None) -> Path:
@@ -98,7 +106,11 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
     if not side:
         raise ParamsError(f"{model_dir} is a base model (superres.low_res: 0 in its config.json); sample it with "
                           "`ddpmrepro sample`, or train an upsampler (docs/SUPERRES.md)")
+    check_guidance(params.sample, config, model_dir)
     level = params.superres.sample_noise_aug
+    if params.superres.project and config["data"]["image_size"] % side:
+        raise ParamsError(f"superres.project: {config['data']['image_size']} is not a whole multiple of the low-res "
+                          f"side {side}, so downsampling is not a block mean to project on; set project: false")
     if level > trained.superres.noise_aug:
         raise ParamsError(f"superres.sample_noise_aug: {level} is above the noise_aug the model in {model_dir} was "
                           f"trained with ({trained.superres.noise_aug}); lower it")

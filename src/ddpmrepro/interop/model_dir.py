@@ -16,8 +16,8 @@ import torch
 
 from .. import files
 from ..data.prepared import read_manifest
-from ..model.unet import PRESETS, SHARED_DEFAULTS, build_unet
-from ..model_dir import data_section, load_model, write_model
+from ..model.unet import PRESETS, SHARED_DEFAULTS
+from ..model_dir import build_model, data_section, load_model, write_model
 from ..params import Params, from_dict
 from . import ConversionError
 from . import diffusers_unet as DF
@@ -59,6 +59,27 @@ def _diffusers_weights(unet_dir: Path) -> tuple[dict, Path]:
     raise ConversionError(f"{unet_dir}: none of {', '.join(DIFFUSERS_WEIGHTS)}")
 
 
+def _check_upsampler(state: dict, params: Params, channels: int, src: Path) -> None:
+    """An improved-/guided-diffusion `SuperResModel` is a `UNetModel` whose first conv takes 2C channels
+    (the noisy image and the upsampled low-res input): the file shows whether it is one, but not the
+    low-res side, which params.yaml's superres.low_res must give. One line where the two disagree."""
+    first = state.get("input_blocks.0.0.weight")
+    if not isinstance(first, torch.Tensor) or first.ndim != 4:
+        return  # ID.to_ours names what is missing or malformed
+    low_res, took = params.superres.low_res, first.shape[1]
+    if took == 2 * channels and not low_res:
+        raise ConversionError(f"{src}: a super-resolution model (its first conv takes {took} = 2 x {channels} "
+                              "channels: the image and the upsampled low-res input); set superres.low_res to the "
+                              "side of its low-res input (64 for 64_256_upsampler.pt; docs/MODELS.md)")
+    if took == channels and low_res:
+        raise ConversionError(f"{src}: a base model ({took}-channel input), not a super-resolution model; "
+                              f"superres.low_res ({low_res}) is for SuperResModel files: set it to 0")
+    if low_res and params.superres.noise_aug:
+        # Their upsampler was trained without conditioning augmentation: it has no noise-level embedding.
+        raise ConversionError(f"superres.noise_aug: {params.superres.noise_aug}: a SuperResModel has no "
+                              "noise-level input; set superres.noise_aug: 0 and superres.sample_noise_aug: 0")
+
+
 def _with(params: Params, section: str, **keys) -> Params:
     raw = params.to_dict()
     raw[section] = {**raw[section], **keys}
@@ -69,8 +90,8 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
                  attention_order: str = "legacy") -> dict:
     """Converts `src` into a model directory at `out`; returns its config.json.
 
-    :param src: an improved-/guided-diffusion `.pt` state dict, or a diffusers UNet2DModel (or
-        pipeline) folder.
+    :param src: an improved-/guided-diffusion `.pt` state dict (a `UNetModel`, or with
+        `superres.low_res` > 0 a `SuperResModel`), or a diffusers UNet2DModel (or pipeline) folder.
     :param fmt: one of FORMATS.
     :param params: params.yaml; for `.pt` files its `model:` and `diffusion:` sections describe the
         checkpoint (the file holds only tensors). A diffusers folder brings its own: its config.json
@@ -86,6 +107,9 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
     src, out = Path(src), Path(out)
     manifest = read_manifest(Path(data_dir))
     if fmt == "diffusers":
+        if params.superres.low_res:
+            raise ConversionError(f"superres.low_res: {params.superres.low_res}: diffusers has no layout of IDDPM's "
+                                  "upsampler (a UNet2DModel folder is a base model); set superres.low_res: 0")
         unet_dir, sched_path = _find_diffusers_unet(src)
         config = _read_json(unet_dir / "config.json")
         params = _with(params, "model", **DF.model_keys(config, source=str(unet_dir / "config.json")))
@@ -99,10 +123,9 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
         state, weights_path = _diffusers_weights(unet_dir)
     else:
         state, weights_path = ID.load_state_dict(src), src
+        _check_upsampler(state, params, manifest["channels"], src)
     with torch.device("meta"):  # the target's names and shapes only; the weights come from the file
-        model = build_unet(params.model, image_size=manifest["image_size"], in_channels=manifest["channels"],
-                           num_classes=manifest["num_classes"],
-                           learn_sigma=params.diffusion.variance == "learned_range")
+        model = build_model(params, data_section(manifest))  # an upsampler with superres.low_res > 0
     if fmt == "diffusers":
         weights = DF.from_diffusers(state, model, source=str(weights_path))
         if (config.get("num_class_embeds") or 0) not in (0, manifest["num_classes"] + 1):
@@ -148,6 +171,12 @@ def export_diffusers(model_dir: Path, out: Path, ema_rate: float) -> dict:
     `scheduler/scheduler_config.json` (DDPMScheduler) and `model_index.json` (DDPMPipeline).
     Returns the UNet config. ConversionError if diffusers cannot express the model exactly."""
     model, trained, config = load_model(Path(model_dir), ema_rate)
+    if trained.superres.low_res:
+        # diffusers' super-resolution pipelines condition otherwise (LDM's in a VQ-VAE latent space, IF's
+        # through a text-conditioned UNet2DConditionModel): none feeds a UNet2DModel the bilinearly
+        # upsampled low-res image (DDPMPipeline would feed it 2C channels of noise and nothing else).
+        raise ConversionError(f"{model_dir} is an upsampler (superres.low_res: {trained.superres.low_res}); diffusers "
+                              "has no pipeline for IDDPM's super-resolution UNet, so only base models export")
     unet_cfg = DF.unet2d_config(model, config["data"]["image_size"])
     sched_cfg = DF.scheduler_config(trained.diffusion)
     with files.replacing_dir(Path(out)) as tmp:

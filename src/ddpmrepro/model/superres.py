@@ -91,11 +91,40 @@ def augment(low: torch.Tensor, level: torch.Tensor, noise: torch.Tensor) -> torc
     return low + level.to(low.dtype)[:, None, None, None] * noise
 
 
+def project(x: torch.Tensor, low: torch.Tensor, iters: int = 40) -> torch.Tensor:
+    """The image nearest to `x` (in L2) among those in [-1, 1] whose area-downsampling is `low`.
+
+    Area downsampling by an integer factor k takes the mean of each k x k block, so the constraint
+    is one mean per block, and the nearest image shifts each block by one constant c and clips it:
+    clip(x + c), with c such that the clipped block's mean is the low-res pixel (the Euclidean
+    projection onto a box intersected with a hyperplane has this form). Without clipping this is
+    x + up(low - down(x)) with nearest-neighbour `up`: the output's low frequencies replaced by the
+    input's, its detail kept. The block mean of clip(x + c) grows with c, so c is found by
+    bisection, per block, in float64 (40 halvings of [-2, 2]: below float32's resolution).
+
+    :param x: (B, C, H, W) images in [-1, 1].
+    :param low: (B, C, h, w) low-res images in [-1, 1], with H = k h and W = k w.
+    :return: (B, C, H, W) in [-1, 1], with `downsample(result, h)` equal to `low` (to float precision).
+    """
+    (b, ch, hh, ww), (h, w) = x.shape, low.shape[-2:]
+    if hh % h or ww % w:
+        raise ValueError(f"project: {hh}x{ww} is not a whole multiple of {h}x{w}")
+    blocks = x.double().reshape(b, ch, h, hh // h, w, ww // w)       # (B, C, h, k, w, k)
+    target = low.double()[:, :, :, None, :, None]                    # (B, C, h, 1, w, 1)
+    lo, hi = torch.full_like(target, -2.0), torch.full_like(target, 2.0)  # c = -2: all -1; c = 2: all 1
+    for _ in range(iters):
+        c = (lo + hi) / 2
+        below = (blocks + c).clamp(-1, 1).mean(dim=(3, 5), keepdim=True) < target
+        lo, hi = torch.where(below, c, lo), torch.where(below, hi, c)
+    out = (blocks + (lo + hi) / 2).clamp(-1, 1)
+    return out.reshape(b, ch, hh, ww).to(x.dtype)
+
+
 def bicubic_upsample(low_res_uint8: torch.Tensor, side: int) -> torch.Tensor:
     """The baseline: bicubic upsampling of uint8 images to side x side, rounded back to uint8."""
     x = F.interpolate(low_res_uint8.float(), size=(side, side), mode="bicubic", align_corners=False)
     return x.round().clamp(0, 255).to(torch.uint8)
 
 
-__all__ = ["SuperResUNet", "build_superres", "downsample", "low_res_input", "augment", "bicubic_upsample",
+__all__ = ["SuperResUNet", "build_superres", "downsample", "low_res_input", "augment", "project", "bicubic_upsample",
            "AUG_LEVEL_SCALE"]
