@@ -103,7 +103,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gradient_study.json")
+    ap.add_argument("--summarise", action="store_true", help="only the table and the picture of the runs kept in "
+                    "--workdir/runs so far (no training)")
     a = ap.parse_args()
+    if a.summarise:
+        runs = {d.name: {"config": d.name.rsplit("-s", 1)[0], "seed": int(d.name.rsplit("-s", 1)[1]),
+                         **summarise(d, a.steps)} for d in sorted((a.workdir / "runs").iterdir())}
+        write_result({"command": command_line("gradient_study.py", a, skip=("out", "workdir", "summarise")),
+                      "steps": a.steps, "seeds": a.seeds, "configs": CONFIGS, "runs": runs}, a.out)
+        plot(runs, a.out.with_suffix(".png"))
+        print(table(runs))
+        return
     env = {k: v for k, v in os.environ.items() if k != "DDPMREPRO_CPU_SLOTS"}
     env.update(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"], DVC_NO_ANALYTICS="1",
                DDPMREPRO_CPU_LOCK_DIR=str(a.workdir / "cpu-locks"))
@@ -127,6 +137,30 @@ def main() -> None:
     write_result({"command": command_line("gradient_study.py", a, skip=("out", "workdir")), "steps": a.steps,
                   "seeds": a.seeds, "configs": CONFIGS, "runs": runs}, a.out)
     plot(runs, a.out.with_suffix(".png"))
+    print(table(runs))
+
+
+def table(runs: dict) -> str:
+    """The markdown table of docs/INTROSPECTION.md: per configuration, the mean over seeds and the
+    spread (min..max) of each number."""
+    cols = [("b_simple_late", "B_simple, 2nd half", "{:.0f}"), ("vb_late_mean", "L_vb, 2nd half", "{:.4f}"),
+            ("mse_late_mean", "eps MSE, 2nd half", "{:.4f}"), ("fid", "FID", "{:.2f}"),
+            ("class_acc", "class acc.", "{:.3f}"), ("bpd", "bits/dim", "{:.3f}")]
+    lines = ["| config | seeds | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for config in dict.fromkeys(r["config"] for r in runs.values()):
+        rs = [r for r in runs.values() if r["config"] == config]
+        cells = []
+        for key, _, fmt in cols:
+            vals = [r.get(key, r["metrics"].get(key)) for r in rs]
+            vals = [v for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
+            if not vals:
+                cells.append("–")
+            elif len(vals) == 1:
+                cells.append(fmt.format(vals[0]))
+            else:
+                cells.append(f"{fmt.format(statistics.fmean(vals))} ({fmt.format(min(vals))}..{fmt.format(max(vals))})")
+        lines.append(f"| {config} | {len(rs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(runs: dict, path: Path) -> None:
