@@ -39,6 +39,7 @@ from .batches import TrainBatches, TrainExamples, step_seed
 from .code_version import code_version
 from .ema import EMA
 from .nonfinite import NonfiniteSteps
+from .phema import PowerEMA
 from .recording import Introspection
 from .stats import RunningStats
 from .timestep_sampler import DeferredUpdates, create_sampler
@@ -154,6 +155,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=p.precision == "fp16")
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(p.precision)
     ema = EMA(raw_model, p.ema_rates, warmup=p.ema_warmup)
+    phema = PowerEMA(raw_model, p.posthoc_ema, count=p.posthoc_ema_snapshots, steps=p.steps)  # EDM2's post-hoc EMA
     sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps)
     # Sampler updates are queued and applied just before the next draw: the GPU is never waited for inside a step.
     sampler_updates = DeferredUpdates(sampler)
@@ -167,8 +169,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     run_id = run_hash(params, manifest["splits"]["train"]["sha256"])
     version = code_version()
     ckpt_dir = paths.checkpoint_root / run_id / version
-    checkpoint = ckpt.CheckpointIO(model=raw_model, optimizer=opt, scaler=scaler, ema=ema, sampler=sampler,
-                                   nonfinite=nonfinite, log_sums=stats, summary=last)
+    checkpoint = ckpt.CheckpointIO(model=raw_model, optimizer=opt, scaler=scaler, ema=ema, phema=phema,
+                                   sampler=sampler, nonfinite=nonfinite, log_sums=stats, summary=last)
     # The recorders' patterns are checked against this model here, before anything is written.
     introspection = Introspection(raw_model, params.introspect, last_step=p.steps)
     if not restart:
@@ -239,6 +241,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Update the EMA weights (not on skipped steps: the weights did not move).
                 if not skipped:
                     ema.update()
+                    phema.update()
+                if main:  # at train.posthoc_ema_snapshots steps, the last one included, into the run directory
+                    phema.snapshot(done, ckpt_dir / "phema", run_hash=run_id)
                 introspection.end(done, total_norm=total_norm, clip_threshold=p.grad_clip, skipped=skipped,
                                   loss_scale=loss_scale, lr=lr_at(step, p))
 
@@ -278,7 +283,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         if main:
             introspection.close()
             train_log.end()
-            _export(paths.model_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary)
+            _export(paths.model_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary,
+                    snapshots=ckpt_dir / "phema")
             files.copy_dir(ckpt_dir / "live", paths.live_dir)
             files.copy_dir(ckpt_dir / "introspect", paths.introspect_dir)
         D.barrier()
@@ -336,11 +342,13 @@ def _without_timing(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k != "images_per_sec"}
 
 
-def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary) -> None:
-    """The model directory (model_dir.py owns its format): the weights, the EMAs, config.json."""
+def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary,
+            snapshots: Path) -> None:
+    """The model directory (model_dir.py owns its format): the weights, the EMAs, the post-hoc EMA's
+    snapshots, config.json."""
     config = {
         "params": params.to_dict(), "data": data_section(manifest),
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
         "ema_rates": list(emas), "final": _without_timing(summary), "torch": torch.__version__,
     }
-    write_model(model_dir, config, raw_model.state_dict(), emas)
+    write_model(model_dir, config, raw_model.state_dict(), emas, snapshots=snapshots if snapshots.is_dir() else None)
