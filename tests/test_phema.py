@@ -240,3 +240,44 @@ def test_a_length_the_snapshots_cannot_make_is_refused(snapshots):
     with pytest.raises(P.ParamsError, match=r"sample.ema_length=0.01: .* profile error of .* \(at most 0.01\)"):
         reconstruct(snapshots, 0.01, train_params(64, 8), run_hash="run")
     assert MAX_FIT_ERROR == 1e-2
+
+
+# --- through the stages ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sample_and_export_read_the_reconstructed_average(tmp_path, monkeypatch):
+    """A real training run: `load_model(ema_length=tracked length)` gives that length's last snapshot,
+    `ddpmrepro sample` samples from it, `ddpmrepro export` writes it to diffusers."""
+    import yaml
+    from click.testing import CliRunner
+
+    from ddpmrepro.cli import main
+    from ddpmrepro.data import prepare
+    from ddpmrepro.files import load_weights
+    from ddpmrepro.model_dir import load_model
+
+    monkeypatch.chdir(tmp_path)
+    prepare(P.DataParams(), tmp_path / "data")
+    raw = {"model": {"channels": 32, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_resolutions": [4],
+                     "num_head_channels": 32},  # widths of 32: diffusers' GroupNorm has 32 groups
+           "diffusion": {"timesteps": 10},
+           "train": {"steps": 16, "batch_per_proc": 16, "warmup_steps": 0, "log_every": 4,
+                     "posthoc_ema_snapshots": 16},
+           "introspect": {"every": 0, "steps": []},
+           "sample": {"respacing": "", "per_class": 1, "ema_length": 0.1}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    run = lambda *a: CliRunner().invoke(main, list(a))
+    out = run("train", "--data", "data", "--out", "model", "--live", "live", "--introspect", "intro",
+              "--checkpoints", "ckpt")
+    assert out.exit_code == 0, out.output
+    model, _, _ = load_model(tmp_path / "model", 0.999, ema_length=0.1)
+    last = load_weights(tmp_path / "model" / "phema" / snapshot_file(16, 0.1))
+    for k, v in model.state_dict().items():
+        assert (v - last[k]).abs().max() <= 1e-5 * max(last[k].abs().max(), 1e-3), k
+    assert run("sample", "--model", "model", "--out", "samples").exit_code == 0
+    out = run("export", "--format", "diffusers", "--model", "model", "--out", "hf")
+    assert out.exit_code == 0, out.output
+    import json
+
+    assert json.loads((tmp_path / "hf" / "ddpmrepro.json").read_text())["ema_length"] == 0.1
