@@ -164,6 +164,17 @@ def test_lr_edit_reruns_train_and_downstream_only(repo):
     assert yaml.safe_load((repo / "reports/params/train.yaml").read_text())["train"]["lr"] == 1e-3
 
 
+def test_an_ema_length_edit_samples_and_evaluates_again_and_never_trains(repo):
+    """Post-hoc EMA (docs/POSTHOC_EMA.md): another length is made from the snapshots the train stage
+    exported; `dvc exp run -S sample.ema_length=...` does what this `dvc repro` does."""
+    set_param(repo, "sample", "ema_length", 0.1)  # a tracked length: the tiny run has few snapshots
+    status = run(repo, "dvc", "status", "--json").stdout
+    assert set(json.loads(status)) == {"check_params"}
+    out = run(repo, "dvc", "repro").stdout
+    assert ran_stages(out) == {"check_params", "sample", "evaluate"}
+    assert yaml.safe_load((repo / "samples/params.yaml").read_text())["sample"]["ema_length"] == 0.1
+
+
 def test_snakemake_runs_what_dvc_would_and_leaves_dvc_clean(repo):
     set_param(repo, "sample", "seed", 7)
     dry = run(repo, "snakemake", "-n").stdout
