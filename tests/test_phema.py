@@ -1,5 +1,6 @@
 """Post-hoc EMA (EDM2): the tracking against its closed form, the reconstruction against independent
-computations, and the snapshots the model directory refuses.
+computations (quadrature of the profiles, ema-pytorch's solve, a directly tracked third length),
+and the snapshots the model directory refuses.
 
 Convention: ddpmrepro follows EDM2, beta_n = (1 - 1/n)^(gamma + 1) at the n-th update (n = 1, 2, ...),
 not ema-pytorch's (1 - 1/(n + 1))^(gamma + 1): after t updates the average is then exactly
@@ -186,6 +187,27 @@ def test_the_solve_against_inner_products_by_numerical_integration():
         c_ref /= c_ref.sum()
         c, _ = phema.solve(snaps, steps, target)
         assert np.abs(profile(c, snaps, steps) - profile(c_ref, snaps, steps)).sum() < 1e-6, target
+
+
+def test_the_reconstructed_weights_equal_ema_pytorchs_solve_on_the_same_snapshots(tmp_path):
+    """ema-pytorch's `solve_weights` (its own sigma -> gamma and inner products, torch.linalg.solve,
+    normalised here as EDM2 does) applied to our snapshot files: the same weights to fp32 rounding.
+    Only its solve: its tracking follows the other convention (module docstring)."""
+    post_hoc = pytest.importorskip("ema_pytorch.post_hoc_ema")
+    from ddpmrepro.files import load_weights
+
+    steps, count = 2048, 32
+    track(walk(steps), [0.05, 0.1], count=count, directory=tmp_path)
+    snaps = list_snapshots(tmp_path)
+    t_i = torch.tensor([float(s.updates) for s in snaps])
+    gamma_i = torch.tensor([post_hoc.sigma_rel_to_gamma(s.sigma_rel) for s in snaps])
+    for target in (0.04, 0.075, 0.15):
+        c = post_hoc.solve_weights(t_i, gamma_i, torch.tensor([float(steps)]),
+                                   torch.tensor([post_hoc.sigma_rel_to_gamma(target)]))[:, 0]
+        c = c / c.sum()
+        theirs = sum(float(ci) * load_weights(s.path)["w"].double() for ci, s in zip(c, snaps))
+        ours = reconstruct(tmp_path, target, train_params(steps, count), run_hash="run")["w"].double()
+        assert (ours - theirs).abs().max() <= 1e-6 * theirs.abs().max(), target
 
 
 def test_the_error_falls_with_the_number_of_snapshots():

@@ -3,9 +3,10 @@
 The loop holds one `PowerEMA` and calls `update()` where it updates the fixed-rate EMA (after every
 step that moved the weights: a skipped step is no update, so the update count n that sets the
 decay counts the weights that exist), and `snapshot(step, ...)` on rank 0 after every step. At
-`count` evenly spaced steps, the last one the last step, each tracked average is written to `<run dir>/phema/` as a
-safetensors file whose metadata say what it is (`model_dir.snapshot_metadata`); the model directory
-gets a copy, and the sample stage combines them into the average of any length (`model_dir.reconstruct`).
+`count` evenly spaced steps, the last one the last step, each tracked average is written to
+`<run dir>/phema/` as a safetensors file whose metadata say what it is
+(`model_dir.snapshot_metadata`); the model directory gets a copy, and the sample stage combines
+them into the average of another length (`model_dir.reconstruct`).
 
 The snapshots are written when made, into the run directory, and never rewritten except by the
 same step of the same run (same bits): a run killed and resumed from an earlier checkpoint
