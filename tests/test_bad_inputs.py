@@ -411,6 +411,37 @@ def test_an_ema_rate_that_was_not_trained_is_a_params_error(run):
     assert snapshot(run) == before
 
 
+def _other_runs_snapshot(phema: Path):
+    from ddpmrepro.files import load_weights, save_weights
+    from ddpmrepro.model_dir import snapshot_metadata
+
+    path = phema / "step_000000002-sigma_0.1.safetensors"
+    save_weights(load_weights(path), path, metadata=snapshot_metadata(sigma_rel=0.1, step=2, updates=2,
+                                                                      run_hash="0123456789abcdef"))
+
+
+SNAPSHOT_CASES = {  # (damage to model/phema, sample.ema_length, the words of the one line)
+    "no-snapshots": (shutil.rmtree, 0.1, "holds no post-hoc EMA snapshots"),
+    "missing": (lambda d: (d / "step_000000002-sigma_0.05.safetensors").unlink(), 0.1,
+                "step_000000002-sigma_0.05.safetensors is missing (1 of 6 snapshots)"),
+    "other-run": (_other_runs_snapshot, 0.1, "is a snapshot of run 0123456789abcdef, not of this model's run"),
+    "cannot-reconstruct": (lambda d: None, 0.01, "make it only to a profile error of"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(SNAPSHOT_CASES))
+def test_post_hoc_ema_snapshots_that_cannot_make_the_length_are_one_line_exit_2(run, case):
+    """Missing, foreign or too few snapshots for `sample.ema_length`: exit 2, nothing written."""
+    damage, length, words = SNAPSHOT_CASES[case]
+    damage(run / "model" / "phema")
+    (run / "params.yaml").write_text(yaml.safe_dump({**TINY, "sample": {"ema_length": length, "respacing": ""}}))
+    before = snapshot(run)
+    assert_one_line_error(cli("sample", "--params", "params.yaml", *STAGE_ARGS["sample"]), 2,
+                          f"Error: sample.ema_length={length:g}: ", words)
+    assert snapshot(run) == before
+
+
 @pytest.mark.slow
 def test_a_second_process_training_into_the_same_run_is_refused(run):
     (ckpt_dir,) = (run / "ckpt").glob("*/*")

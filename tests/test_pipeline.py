@@ -164,6 +164,21 @@ def test_lr_edit_reruns_train_and_downstream_only(repo):
     assert yaml.safe_load((repo / "reports/params/train.yaml").read_text())["train"]["lr"] == 1e-3
 
 
+def test_an_ema_length_edit_samples_and_evaluates_again_and_never_trains(repo):
+    """Post-hoc EMA (docs/POSTHOC_EMA.md): another length is made from the snapshots the train stage
+    exported; `dvc exp run -S sample.ema_length=...` does what this `dvc repro` does."""
+    set_param(repo, "sample", "ema_length", 0.1)  # a tracked length: the tiny run has few snapshots
+    status = run(repo, "dvc", "status", "--json").stdout
+    assert set(json.loads(status)) == {"check_params", "sample", "evaluate"}  # the stages that read the key
+    out = run(repo, "dvc", "repro").stdout
+    assert ran_stages(out) == {"check_params", "sample", "evaluate"}
+    assert yaml.safe_load((repo / "samples/params.yaml").read_text())["sample"]["ema_length"] == 0.1
+    # Back to sample.ema_rate's weights, again without training (sample's outputs come back from DVC's run cache).
+    set_param(repo, "sample", "ema_length", 0)
+    assert ran_stages(run(repo, "dvc", "repro").stdout) <= {"check_params", "sample", "evaluate"}
+    assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
+
+
 def test_snakemake_runs_what_dvc_would_and_leaves_dvc_clean(repo):
     set_param(repo, "sample", "seed", 7)
     dry = run(repo, "snakemake", "-n").stdout

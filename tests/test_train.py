@@ -85,6 +85,9 @@ def final_state(run_dir: Path) -> dict:
     state = load_checkpoint(latest_checkpoint(ckpt_dir))
     weights = load_weights(run_dir / "model" / "model.safetensors")
     emas = {r: load_weights(run_dir / "model" / f"ema_{r}.safetensors") for r in ("0.9", "0.99")}
+    # the post-hoc EMA's snapshots (SMALL's 8 steps: one after every step) count as EMAs here
+    emas |= {f.name: load_weights(f) for f in sorted((run_dir / "model" / "phema").iterdir())}
+    assert len(emas) == 2 + 2 * state["step"]
     return {"step": state["step"], "weights": weights, "emas": emas, "sampler": state["sampler"]}
 
 
@@ -182,7 +185,7 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path, prepared, straight_runs,
     # The exported model directory, config.json included, is byte for byte the uninterrupted run's:
     # nothing in it measures time, so a rerun of the train stage gives DVC the same hash.
     def files(model: Path) -> dict[str, bytes]:
-        return {f.name: f.read_bytes() for f in sorted(model.iterdir())}
+        return {f.relative_to(model).as_posix(): f.read_bytes() for f in sorted(model.rglob("*")) if f.is_file()}
     exported = files(tmp_path / "resumed" / "model")
     assert files(straight_runs(nproc) / "model") == exported
     # So does a rerun with no step left (`dvc repro -f`): it resumes from the last checkpoint and exports again.

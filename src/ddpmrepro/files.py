@@ -263,3 +263,14 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except Exception as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0][:200]}); retrain or restore it with `dvc checkout`") from None
+
+
+def weights_metadata(path: Path) -> dict[str, str]:
+    """The string metadata of a safetensors file, from its header alone (no tensor is read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0][:200]}); retrain or restore it with `dvc checkout`") from None

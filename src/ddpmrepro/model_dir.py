@@ -3,6 +3,10 @@
 
     model.safetensors          the raw weights (train; import when it is given no EMA rate)
     ema_<rate>.safetensors     one per EMA rate, as listed in config.json's `ema_rates`
+    phema/                     post-hoc EMA snapshots (`train.posthoc_ema`): the power-function
+                               average of one length after some step, `step_<N>-sigma_<length>.safetensors`
+                               with metadata naming its length, step, update count and run; from them
+                               `sample.ema_length` makes the average of another length (`reconstruct`)
     config.json                `params` (resolved), `data` (`DATA_KEYS` of the manifest it was made
                                for), `ema_rates`, `torch`, and what made it: train adds the data's
                                sha256, the code version, the run hash and the last logged values;
@@ -15,17 +19,27 @@ bytes DVC hashes); this module checks what every reader relies on, writes the di
 from __future__ import annotations
 
 import json
+import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import files
+from .model import phema
 from .model.superres import build_superres
 from .model.unet import UNet, build_unet
 from .params import Params, ParamsError, from_dict
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+PHEMA_DIR = "phema"
+SNAPSHOT = re.compile(r"^step_(\d{9})-sigma_(.+)\.safetensors$")
+SNAPSHOT_FORMAT = "ddpmrepro-phema-1"
+# A length whose profile the snapshots make only farther than this (relative L2) is refused: with
+# 32 snapshots per length, about 0.031 to 0.21 pass from the default [0.05, 0.10] (docs/POSTHOC_EMA.md).
+MAX_FIT_ERROR = 1e-2
 DATA_KEYS = ("source", "num_classes", "image_size", "channels", "class_names")
 
 
@@ -43,7 +57,7 @@ def data_section(manifest: dict) -> dict:
 
 
 def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None,
-                emas: dict[float, dict[str, torch.Tensor]]) -> None:
+                emas: dict[float, dict[str, torch.Tensor]], snapshots: Path | None = None) -> None:
     """Writes the model directory `out` whole: it holds the old directory or all of the new one.
 
     :param config: config.json's content, written as `json.dumps(config, indent=2)`; its
@@ -51,6 +65,8 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
     :param weights: the raw weights (model.safetensors), or None where there are none (an import of
         one EMA).
     :param emas: rate -> EMA weights.
+    :param snapshots: a directory of post-hoc EMA snapshots to copy into `phema/` (its snapshot files
+        only: a killed writer's temp file stays behind).
     """
     missing = [k for k in ("params", "data", "ema_rates") if k not in config]
     if missing or list(config["ema_rates"]) != list(emas) or weights is None and not emas:
@@ -61,6 +77,11 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
             files.save_weights(weights, tmp / MODEL_FILE)
         for rate, ema in emas.items():
             files.save_weights(ema, tmp / weights_file(rate))
+        names = sorted(f.name for f in snapshots.iterdir() if SNAPSHOT.match(f.name)) if snapshots else []
+        if names:
+            (tmp / PHEMA_DIR).mkdir()
+            for name in names:
+                shutil.copyfile(snapshots / name, tmp / PHEMA_DIR / name)
         files.atomic_write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2))
 
 
@@ -88,18 +109,23 @@ def build_model(trained: Params, data: dict) -> UNet:
     return build_unet(trained.model, **shape)
 
 
-def load_model(model_dir: Path, ema_rate: float, device="cpu"):
-    """(the network with the chosen EMA weights (rate 0: the raw weights), eval mode on `device`;
+def load_model(model_dir: Path, ema_rate: float, device="cpu", *, ema_length: float = 0.0):
+    """(the network with the chosen EMA weights (rate 0: the raw weights; `ema_length` > 0: the
+    post-hoc EMA of that length, reconstructed from the snapshots, instead), eval mode on `device`;
     the params it was made with; config.json)."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     trained = from_dict(config["params"])
-    if ema_rate and ema_rate not in [float(r) for r in config["ema_rates"]]:
+    if not ema_length and ema_rate and ema_rate not in [float(r) for r in config["ema_rates"]]:
         raise ParamsError(f"sample.ema_rate={ema_rate:g} was not trained; available: "
                           f"{', '.join(f'{float(r):g}' for r in config['ema_rates'])} (or 0 for raw weights)")
     name = weights_file(ema_rate)
     model = build_model(trained, config["data"])
-    state = files.load_weights(model_dir / name)
+    if ema_length:
+        name = f"{PHEMA_DIR}/ (sample.ema_length={ema_length:g})"
+        state = reconstruct(model_dir / PHEMA_DIR, ema_length, trained.train, run_hash=config.get("run_hash", ""))
+    else:
+        state = files.load_weights(model_dir / name)
     missing = set(model.state_dict()) ^ set(state)
     if missing:
         raise files.CheckpointError(f"{model_dir / name}: tensors do not match the architecture in config.json "
@@ -108,5 +134,106 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu"):
     return model.to(device).eval(), trained, config
 
 
-__all__ = ["MODEL_FILE", "CONFIG_FILE", "DATA_KEYS", "weights_file", "data_section", "write_model", "read_config",
+# --- post-hoc EMA snapshots -------------------------------------------------------------------------
+
+
+def snapshot_file(step: int, sigma_rel: float) -> str:
+    return f"step_{step:09d}-sigma_{float(sigma_rel)!r}.safetensors"
+
+
+def snapshot_metadata(*, sigma_rel: float, step: int, updates: int, run_hash: str) -> dict[str, str]:
+    """What a snapshot file says of itself: one metadata key holding sorted JSON. (safetensors writes
+    its metadata map in Rust's HashMap order, random per process: with several keys, a resumed run's
+    snapshots would differ from the uninterrupted run's in the bytes DVC hashes.)"""
+    what = {"sigma_rel": float(sigma_rel), "step": step, "updates": updates, "run_hash": run_hash}
+    return {SNAPSHOT_FORMAT: json.dumps(what, sort_keys=True)}
+
+
+def snapshot_steps(steps: int, count: int) -> list[int]:
+    """The steps after which a run of `steps` steps writes its `count` snapshots: evenly spaced,
+    the last at the last step (every step where count >= steps)."""
+    return sorted({-(-k * steps // count) for k in range(1, count + 1)})
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    path: Path
+    sigma_rel: float
+    step: int
+    updates: int  # t: the updates its average has seen (the steps less the skipped ones)
+    run_hash: str
+
+
+def list_snapshots(directory: Path) -> list[Snapshot]:
+    """The snapshot files of `directory` by step (other names, such as a killed writer's temp file, ignored)."""
+    out = []
+    for path in sorted(Path(directory).iterdir()) if Path(directory).is_dir() else []:
+        if SNAPSHOT.match(path.name):
+            try:
+                meta = json.loads(files.weights_metadata(path)[SNAPSHOT_FORMAT])
+                out.append(Snapshot(path, float(meta["sigma_rel"]), int(meta["step"]), int(meta["updates"]),
+                                    str(meta["run_hash"])))
+            except (KeyError, ValueError, TypeError):
+                raise ParamsError(f"{path}: not a post-hoc EMA snapshot of ddpmrepro (no '{SNAPSHOT_FORMAT}' "
+                                  "metadata); remove it") from None
+    return sorted(out, key=lambda s: (s.step, s.sigma_rel))
+
+
+def check_snapshots(snaps: list[Snapshot], directory: Path, train, *, run_hash: str, key: str) -> None:
+    """The snapshots are exactly those the run of config.json wrote: none missing, none foreign."""
+    if not snaps:
+        raise ParamsError(f"{key}: {directory} holds no post-hoc EMA snapshots (trained with train.posthoc_ema: "
+                          "[], imported, or trained before it existed); set sample.ema_length: 0 to use "
+                          "sample.ema_rate, or retrain with train.posthoc_ema")
+    for s in snaps:
+        if s.run_hash != run_hash:
+            raise ParamsError(f"{key}: {s.path} is a snapshot of run {s.run_hash}, not of this model's run "
+                              f"{run_hash}; restore the model directory (`dvc checkout models/ddpm`)")
+    have = {(s.step, s.sigma_rel) for s in snaps}
+    want = {(step, float(sigma)) for step in snapshot_steps(train.steps, train.posthoc_ema_snapshots)
+            for sigma in train.posthoc_ema}
+    if have - want:
+        step, sigma = min(have - want)
+        raise ParamsError(f"{key}: {directory / snapshot_file(step, sigma)} is not one of this run's snapshots "
+                          f"(train.posthoc_ema: {list(train.posthoc_ema)}); remove it")
+    if want - have:
+        step, sigma = min(want - have)
+        raise ParamsError(f"{key}: {directory / snapshot_file(step, sigma)} is missing ({len(want - have)} of "
+                          f"{len(want)} snapshots); restore the model directory (`dvc checkout models/ddpm`) "
+                          "or retrain")
+
+
+def reconstruct(directory: Path, length: float, train, *, run_hash: str) -> dict[str, torch.Tensor]:
+    """The averaged weights of EMA length `length` at the end of the run (name -> fp32 tensor), from
+    the snapshots in `directory` of the run `run_hash` trained with `train` (TrainParams). Reads one
+    snapshot at a time: memory is two copies of the weights (the fp64 sum, one snapshot). Every
+    failure is one ParamsError line (exit 2), before anything is written."""
+    key = f"sample.ema_length={length:g}"
+    snaps = list_snapshots(directory)
+    check_snapshots(snaps, directory, train, run_hash=run_hash, key=key)
+    # An average of no update is the initialisation (no profile); steps skipped in a row give two
+    # snapshots of one average (the same updates and length): keep one.
+    snaps = list({(s.updates, s.sigma_rel): s for s in snaps if s.updates > 0}.values())
+    if not snaps:
+        raise ParamsError(f"{key}: every step of the run was skipped; there is no average to make")
+    c, err = phema.solve([(s.updates, s.sigma_rel) for s in snaps], max(s.updates for s in snaps), length)
+    if err > MAX_FIT_ERROR:
+        raise ParamsError(f"{key}: the snapshots of lengths {', '.join(f'{s:g}' for s in train.posthoc_ema)} "
+                          f"make it only to a profile error of {err:.1e} (at most {MAX_FIT_ERROR:g}); choose a "
+                          "length nearer those, or track it or more snapshots (train.posthoc_ema, "
+                          "train.posthoc_ema_snapshots)")
+    total: dict[str, torch.Tensor] = {}
+    for s, ci in zip(snaps, c):
+        weights = files.load_weights(s.path)
+        if total and weights.keys() != total.keys():
+            raise ParamsError(f"{key}: {s.path} holds other tensors than {snaps[0].path}; restore the model "
+                              "directory (`dvc checkout models/ddpm`)")
+        for k, v in weights.items():
+            total.setdefault(k, torch.zeros_like(v, dtype=torch.float64)).add_(v.double(), alpha=float(ci))
+    return {k: v.float() for k, v in total.items()}
+
+
+__all__ = ["MODEL_FILE", "CONFIG_FILE", "PHEMA_DIR", "SNAPSHOT", "SNAPSHOT_FORMAT", "MAX_FIT_ERROR",
+           "snapshot_file", "snapshot_metadata", "snapshot_steps", "Snapshot", "list_snapshots", "check_snapshots",
+           "reconstruct", "DATA_KEYS", "weights_file", "data_section", "write_model", "read_config",
            "build_model", "load_model"]

@@ -21,6 +21,11 @@ import yaml
 from .respace import space_timesteps
 
 
+# The longest post-hoc EMA length, model.phema.MAX_SIGMA_REL = sqrt(1/12) = 0.28868 (the plain
+# average), rounded down; written out because params never imports torch (tests/test_phema.py).
+_MAX_LENGTH = 0.288
+
+
 class ParamsError(ValueError):
     """A user error in params.yaml; the message is one line naming the key path."""
 
@@ -191,6 +196,14 @@ class TrainParams:
                                              "in (0, 1).")
     ema_warmup: bool = _f(True, doc="Use decay min(rate, (1+n)/(10+n)) after n updates, so early EMAs follow "
                                     "the weights.")
+    posthoc_ema: list[float] = _f([0.05, 0.10], min=0.0, min_exclusive=True, max=_MAX_LENGTH,
+                                  doc="EDM2's post-hoc EMA (docs/POSTHOC_EMA.md): the lengths (relative standard "
+                                      "deviations) of the power-function EMAs tracked, whose snapshots let "
+                                      "`sample.ema_length` choose a length after training; [] tracks none.")
+    posthoc_ema_snapshots: int = _f(32, min=1, doc="Snapshots of each post-hoc EMA over the run, evenly spaced, "
+                                                   "the last at the last step; each is one weights file per "
+                                                   "length in models/ddpm/phema/. The reconstruction error falls "
+                                                   "fast with their number (docs/POSTHOC_EMA.md).")
     timestep_sampler: str = _f("loss-second-moment", choices=("uniform", "loss-second-moment"),
                                doc="IDDPM's importance sampling: p_t proportional to sqrt(E[L_t^2]) over the "
                                    "last 10 losses per t, uniform until all are filled.")
@@ -251,10 +264,14 @@ class IntrospectParams:
 
 @dataclass(frozen=True)
 class SampleParams:
-    """Read by `sample` (`ema_rate` by `evaluate` too)."""
+    """Read by `sample` (`ema_rate` and `ema_length` by `evaluate` too)."""
 
     ema_rate: float = _f(0.999, min=0.0, max=1.0, doc="Which trained EMA weights to sample from; 0 = the raw "
                                                       "weights.")
+    ema_length: float | None = _f(0.0, min=0.0, max=_MAX_LENGTH,
+                           doc="> 0: sample from the post-hoc EMA of this length (relative standard deviation, "
+                               "e.g. 0.08), reconstructed from the snapshots of `train.posthoc_ema` instead of "
+                               "`ema_rate`'s weights (docs/POSTHOC_EMA.md); 0 or null = `ema_rate`.")
     per_class: int = _f(50, min=1, doc="Images per class.")
     sampler: str = _f("ddim", choices=("ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "unipc", "heun"),
                       doc="Ancestral DDPM sampling, DDIM, or the fast solvers of docs/SAMPLERS.md: "
@@ -449,6 +466,8 @@ def _check_cross_field(obj, path: str) -> None:
         for i, r in enumerate(obj.ema_rates):
             if not 0.0 < r < 1.0:
                 raise ParamsError(f"{path}.ema_rates[{i}]: must lie in (0, 1), got {r!r}")
+        if len(set(obj.posthoc_ema)) != len(obj.posthoc_ema):
+            raise ParamsError(f"{path}.posthoc_ema: a length is listed twice: {obj.posthoc_ema}")
     if isinstance(obj, ModelParams):
         if obj.channel_mult is not None and not obj.channel_mult:
             raise ParamsError(f"{path}.channel_mult: give positive integers, e.g. [1, 2, 2, 2]")
@@ -605,7 +624,8 @@ def markdown() -> str:
            "", "Checked across keys:",
            "- `sample.respacing` must respace `diffusion.timesteps` steps (by the very function that respaces);",
            "- `introspect.steps` and `introspect.dump_steps` lie in 1..`train.steps`; `dump_steps` need `dump_modules`;",
-           "- `train.ema_rates`: at least one, each in (0, 1); `model.channel_mult`: not empty;",
+           "- `train.ema_rates`: at least one, each in (0, 1); `train.posthoc_ema`: no length twice; "
+           "`model.channel_mult`: not empty;",
            "- `sample.thresholding: dynamic` needs a fast solver; `sample.churn` > 0 needs `sampler: heun`;",
            "- `diffusion.min_snr_gamma`, `p2_k`, `p2_gamma` only with their `loss_weighting`, and no weighting with "
            "`loss: kl`.", ""]

@@ -92,7 +92,7 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     device = torch.device("cuda", D.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     D.init(device.type)
     rank, world = D.rank(), D.world_size()
-    model, trained, config = load_model(model_dir, p.ema_rate, device)
+    model, trained, config = load_model(model_dir, p.ema_rate, device, ema_length=p.ema_length)
     if trained.superres.low_res:
         raise ParamsError(f"{model_dir} is an upsampler (superres.low_res: {trained.superres.low_res}); sample it "
                           "with `ddpmrepro sample-superres` (docs/SUPERRES.md)")

@@ -77,11 +77,12 @@ def latest_checkpoint(directory: Path) -> Path | None:
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:
-    """Removes the temp files (`.<name>.tmp.<pid>`) that writers killed mid-write left in `directory`:
+    """Removes the temp files (`.<name>.tmp.<pid>`) that writers killed mid-write left in `directory`
+    and its subdirectories (the post-hoc EMA's snapshots are written into `phema/`):
     those whose writer is gone, or whose pid now belongs to a process that does not have the file
     open. A live writer's file is never touched. Returns what was removed."""
     removed = []
-    for f in sorted(directory.iterdir()) if directory.is_dir() else []:
+    for f in sorted(directory.rglob("*")) if directory.is_dir() else []:
         m = TEMP_FILE.match(f.name)
         if m and f.is_file() and not _written_by(f, int(m[1])):
             f.unlink(missing_ok=True)

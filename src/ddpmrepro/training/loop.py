@@ -40,6 +40,7 @@ from .code_version import code_version
 from .ema import EMA
 from .noise_scale import NoiseScale
 from .nonfinite import NonfiniteSteps
+from .phema import PowerEMA
 from .recording import Introspection
 from .stats import RunningStats
 from .timestep_sampler import DeferredUpdates, create_sampler
@@ -155,6 +156,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=p.precision == "fp16")
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(p.precision)
     ema = EMA(raw_model, p.ema_rates, warmup=p.ema_warmup)
+    phema = PowerEMA(raw_model, p.posthoc_ema, count=p.posthoc_ema_snapshots, steps=p.steps)  # EDM2's post-hoc EMA
     sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps)
     # Sampler updates are queued and applied just before the next draw: the GPU is never waited for inside a step.
     sampler_updates = DeferredUpdates(sampler)
@@ -173,8 +175,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     ip = params.introspect
     noise_scale = NoiseScale(raw_model, enabled=ip.noise_scale, micro_batch=p.batch_per_proc, grad_accum=p.grad_accum,
                              world=world, halflife_steps=ip.noise_scale_halflife)
-    checkpoint = ckpt.CheckpointIO(model=raw_model, optimizer=opt, scaler=scaler, ema=ema, sampler=sampler,
-                                   nonfinite=nonfinite, log_sums=stats, noise_scale=noise_scale, summary=last)
+    checkpoint = ckpt.CheckpointIO(model=raw_model, optimizer=opt, scaler=scaler, ema=ema, phema=phema,
+                                   sampler=sampler, nonfinite=nonfinite, log_sums=stats, noise_scale=noise_scale,
+                                   summary=last)
     # The recorders' patterns and the noise-level buckets are checked here, before anything is written.
     introspection = Introspection(raw_model, ip, last_step=p.steps, alphas_cumprod=diffusion.alphas_cumprod,
                                   batch_per_step=p.batch_per_proc * p.grad_accum * world, noise_scale=noise_scale,
@@ -251,6 +254,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Update the EMA weights (not on skipped steps: the weights did not move).
                 if not skipped:
                     ema.update()
+                    phema.update()
+                if main:  # at train.posthoc_ema_snapshots steps, the last one included, into the run directory
+                    phema.snapshot(done, ckpt_dir / "phema", run_hash=run_id)
                 gns_step = noise_scale.after_step(stats, total_norm, recorded=introspection.recording)
                 introspection.end(done, gns_step, total_norm=total_norm, clip_threshold=p.grad_clip, skipped=skipped,
                                   loss_scale=loss_scale, lr=lr_at(step, p))
@@ -293,7 +299,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         if main:
             introspection.close()
             train_log.end()
-            _export(paths.model_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary)
+            _export(paths.model_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary,
+                    snapshots=ckpt_dir / "phema")
             files.copy_dir(ckpt_dir / "live", paths.live_dir)
             files.copy_dir(ckpt_dir / "introspect", paths.introspect_dir)
         D.barrier()
@@ -351,11 +358,13 @@ def _without_timing(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k != "images_per_sec"}
 
 
-def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary) -> None:
-    """The model directory (model_dir.py owns its format): the weights, the EMAs, config.json."""
+def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary,
+            snapshots: Path) -> None:
+    """The model directory (model_dir.py owns its format): the weights, the EMAs, the post-hoc EMA's
+    snapshots, config.json."""
     config = {
         "params": params.to_dict(), "data": data_section(manifest),
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
         "ema_rates": list(emas), "final": _without_timing(summary), "torch": torch.__version__,
     }
-    write_model(model_dir, config, raw_model.state_dict(), emas)
+    write_model(model_dir, config, raw_model.state_dict(), emas, snapshots=snapshots if snapshots.is_dir() else None)
