@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from project_copy import copy_project  # noqa: E402
-from results_io import command_line, write_result  # noqa: E402
+from results_io import write_result  # noqa: E402
 
 LEARNED = {"diffusion.variance": "learned_range"}
 CONFIGS = {  # name: the -S overrides of the run
@@ -47,6 +47,11 @@ CONFIGS = {  # name: the -S overrides of the run
     "mse_none": {"diffusion.loss_weighting": "none", "train.timestep_sampler": "uniform"},
     "mse_min_snr5": {"diffusion.loss_weighting": "min_snr", "train.timestep_sampler": "uniform"},
 }
+
+
+def _command(a) -> str:
+    return (f"PYTHONPATH=src python benchmarks/gradient_study.py --workdir DIR --steps {a.steps} "
+            f"--seeds {' '.join(map(str, a.seeds))} --configs {' '.join(a.configs)}")
 
 
 def sh(repo: Path, *cmd: str, env: dict) -> str:
@@ -109,7 +114,7 @@ def main() -> None:
     if a.summarise:
         runs = {d.name: {"config": d.name.rsplit("-s", 1)[0], "seed": int(d.name.rsplit("-s", 1)[1]),
                          **summarise(d, a.steps)} for d in sorted((a.workdir / "runs").iterdir())}
-        write_result({"command": command_line("gradient_study.py", a, skip=("out", "workdir", "summarise")),
+        write_result({"command": _command(a) + " (then --summarise of the runs kept: " + ", ".join(runs) + ")",
                       "steps": a.steps, "seeds": a.seeds, "configs": CONFIGS, "runs": runs}, a.out)
         plot(runs, a.out.with_suffix(".png"))
         print(table(runs))
@@ -134,7 +139,7 @@ def main() -> None:
             print(f"{name:16} seed {seed}: B_simple(late) {r['b_simple_late']:9.1f}  vb {r['vb_late_mean']:.4f}  "
                   f"mse {r['mse_late_mean']:.4f}  fid {r['metrics'].get('fid', math.nan):.3f}  "
                   f"acc {r['metrics'].get('class_acc', math.nan)}  ({r['wall_s']:.0f} s)", flush=True)
-    write_result({"command": command_line("gradient_study.py", a, skip=("out", "workdir")), "steps": a.steps,
+    write_result({"command": _command(a), "steps": a.steps,
                   "seeds": a.seeds, "configs": CONFIGS, "runs": runs}, a.out)
     plot(runs, a.out.with_suffix(".png"))
     print(table(runs))
