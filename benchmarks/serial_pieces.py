@@ -23,7 +23,7 @@ from ddpmrepro import params as P
 from ddpmrepro.model.diffusion import from_params
 from ddpmrepro.training.introspect import ActivationGradRecorder
 from ddpmrepro.training.timestep_sampler import create_sampler
-from ddpmrepro.training.loop import example_draws, step_seed
+from ddpmrepro.training.batches import example_draws, step_seed
 from ddpmrepro.model.unet import build_unet
 
 LOG_KEYS = ("loss", "mse", "vb", "loss_q0", "loss_q1", "loss_q2", "loss_q3", "grad_norm", "lr", "loss_scale",

@@ -337,3 +337,24 @@ def test_bad_bucket_edges_exit_2_with_one_line_before_anything_is_written(tmp_pa
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], lines
     assert not (tmp_path / "resolved").exists()
+
+
+@pytest.mark.parametrize("batch, T, space, want", [(128, 1000, "t", 4), (4, 1000, "t", 2), (8, 50, "t", 3),
+                                                   (1, 1000, "t", 1), (16, 20, "logsnr", None)])
+def test_the_default_bucket_count_fits_the_batch_and_params_never_refuse_it(batch, T, space, want):
+    """noise_buckets: null (the default) is 4 buckets, or fewer where a small batch cannot fill 4: a run
+    that never mentions the instrument is never refused for it (set explicitly, it is checked)."""
+    from ddpmrepro import params as P
+    from ddpmrepro.training.noise_levels import default_bucket_count
+
+    ac = GaussianDiffusion(get_beta_schedule("cosine", T)).alphas_cumprod.numpy()
+    count = default_bucket_count(ac, space, batch)
+    which, _ = bucket_table(ac, count=count, edges=[], space=space)
+    assert min(np.bincount(which, minlength=count)) * batch / T >= 2 or count == 1
+    if want is not None:
+        assert count == want
+    if count < 4:  # one more bucket would not fit
+        which, _ = bucket_table(ac, count=count + 1, edges=[], space=space)
+        assert min(np.bincount(which, minlength=count + 1)) * batch / T < 2
+    P.from_dict({"train": {"batch_per_proc": batch}, "diffusion": {"timesteps": T}, "sample": {"respacing": ""},
+                 "introspect": {"noise_bucket_space": space}})

@@ -252,10 +252,13 @@ class IntrospectParams:
                                      "on recorded steps. Logged as gns_g2, gns_trace, gns_b_simple.")
     noise_scale_halflife: float = _f(500.0, min=1.0, doc="Half-life in steps of the averages of |G|² and tr(Σ) "
                                                          "whose ratio is the logged gns_b_simple.")
-    noise_buckets: int = _f(4, min=0, max=64, doc="On recorded steps, split the batch's gradient into this many "
-                                                  "noise-level buckets of equal width in `noise_bucket_space` (the "
-                                                  "noise_levels table: norms, shares, conflicts, noise scales); 0: "
-                                                  "off. Costs 2 x buckets extra backward passes per recorded step.")
+    noise_buckets: int | None = _f(None, min=0, max=64, doc="On recorded steps, split the batch's gradient into "
+                                                            "this many noise-level buckets of equal width in "
+                                                            "`noise_bucket_space` (the noise_levels table: norms, "
+                                                            "shares, conflicts, noise scales); 0: off; null: 4, or as "
+                                                            "many (down to 1) as let each expect 2 examples per step "
+                                                            "at the batch. Costs 2 x buckets extra backward passes "
+                                                            "per recorded step.")
     noise_bucket_edges: list[float] = _f([], doc="Interior bucket edges instead (ascending, in "
                                                  "`noise_bucket_space` units): N edges make N + 1 buckets.")
     noise_bucket_space: str = _f("t", choices=("t", "logsnr"), doc="Bucket edges in timesteps t, or in log-SNR "
@@ -523,7 +526,7 @@ def _check_noise_buckets(obj: "Params") -> None:
                               f"diffusion.timesteps: {T})")
         bounds = [0, *edges, T]
         widths = [len(range(math.ceil(lo), math.ceil(hi))) for lo, hi in zip(bounds, bounds[1:])]
-    elif not edges and ip.noise_bucket_space == "t" and ip.noise_buckets:
+    elif not edges and ip.noise_bucket_space == "t" and ip.noise_buckets:  # set: checked; null adapts to the batch
         widths = [len(range(math.ceil(T * k / ip.noise_buckets), math.ceil(T * (k + 1) / ip.noise_buckets)))
                   for k in range(ip.noise_buckets)]
     else:

@@ -54,6 +54,20 @@ def bucket_table(alphas_cumprod: np.ndarray, *, count: int, edges: list[float], 
     return which.astype(np.int64), spans
 
 
+DEFAULT_BUCKETS = 4
+
+
+def default_bucket_count(alphas_cumprod: np.ndarray, space: str, batch_per_step: int) -> int:
+    """`introspect.noise_buckets: null`: 4 equal buckets, or the most (down to 1, the whole batch, whose
+    halves still give the noise scale) whose every bucket expects 2 examples per step under uniform t."""
+    T = len(alphas_cumprod)
+    for count in range(DEFAULT_BUCKETS, 1, -1):
+        which, _ = bucket_table(alphas_cumprod, count=count, edges=[], space=space)
+        if min(np.bincount(which, minlength=count)) * batch_per_step / T >= 2:
+            return count
+    return 1
+
+
 class NoiseLevelGradients:
     """Per recorded step: `measure(...)` after each microbatch's forward, `finish()` after the last.
 
@@ -63,9 +77,10 @@ class NoiseLevelGradients:
 
     def __init__(self, raw_model: torch.nn.Module, alphas_cumprod, ip, *, batch_per_step: int, device):
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
-        count = len(ip.noise_bucket_edges) + 1 if ip.noise_bucket_edges else ip.noise_buckets
         key = "introspect.noise_bucket_edges" if ip.noise_bucket_edges else "introspect.noise_buckets"
         ac = np.asarray(alphas_cumprod, dtype=np.float64)
+        count = len(ip.noise_bucket_edges) + 1 if ip.noise_bucket_edges else \
+            ip.noise_buckets or default_bucket_count(ac, ip.noise_bucket_space, batch_per_step)
         which, self.spans = bucket_table(ac, count=count, edges=ip.noise_bucket_edges, space=ip.noise_bucket_space)
         if ip.noise_bucket_edges and ip.noise_bucket_space == "logsnr":
             top = float(np.log(ac[0]) - np.log1p(-ac[0]))

@@ -32,7 +32,7 @@ class Introspection:
         self.every, self.steps, self.last_step = ip.every, [*ip.steps, *ip.dump_steps], last_step
         self.noise_scale, self.stats = noise_scale, stats
         self.levels = NoiseLevelGradients(raw_model, alphas_cumprod, ip, batch_per_step=batch_per_step,
-                                          device=device) if ip.noise_buckets or ip.noise_bucket_edges else None
+                                          device=device) if ip.noise_buckets != 0 or ip.noise_bucket_edges else None
         self.main = D.is_main()
         try:
             self.grads = introspect.ParamGradRecorder(raw_model.named_parameters(), ip.params,
