@@ -39,6 +39,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from project_copy import copy_project  # noqa: E402
 from results_io import write_result  # noqa: E402
 
+# Every key any configuration sets, at its default: each run sets all of them, because `dvc exp run`
+# leaves the last experiment's params in the workspace, and a key a configuration left out would
+# silently keep the previous run's value (the first version of this script ran "mse_none" as hybrid).
+BASE = {"diffusion.variance": "fixed_small", "diffusion.loss": "mse", "diffusion.loss_weighting": "none",
+        "train.timestep_sampler": "uniform"}
 LEARNED = {"diffusion.variance": "learned_range"}
 CONFIGS = {  # name: the -S overrides of the run
     "vb_uniform": {**LEARNED, "diffusion.loss": "kl", "train.timestep_sampler": "uniform"},
@@ -127,7 +132,7 @@ def main() -> None:
     for name in a.configs:
         for seed in a.seeds:
             t0 = time.perf_counter()
-            sets = [f"{k}={v}" for k, v in {**CONFIGS[name], "train.seed": seed}.items()]
+            sets = [f"{k}={v}" for k, v in {**BASE, **CONFIGS[name], "train.seed": seed}.items()]
             sh(repo, "dvc", "exp", "run", "-n", f"{name}-s{seed}", *[x for s in sets for x in ("-S", s)], env=env)
             keep = a.workdir / "runs" / f"{name}-s{seed}"
             shutil.rmtree(keep, ignore_errors=True)
