@@ -124,14 +124,16 @@ SwitchType=switch/none
 EOF
   if [ "$acct" = 1 ]; then
     # Jobs and steps go to slurmdbd; jobacct_gather/linux reads /proc for the steps' CPU time and
-    # memory (MaxRSS), without cgroups. No AccountingStorageEnforce: a job without --account runs
-    # under the user's default account, as on most sites.
+    # memory (MaxRSS), without cgroups. A step has a MaxRSS only if it was sampled while alive (at
+    # its end /proc is gone) and our steps last 10-30 s: sample every 2 s, not every 10 (a 10 s
+    # period left a two-node step's MaxRSS empty once in CI). No AccountingStorageEnforce: a job
+    # without --account runs under the user's default account, as on most sites.
     cat >> "$DIR/etc/slurm.conf" <<EOF
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=ctl
 AccountingStoragePort=$DBD_PORT
 JobAcctGatherType=jobacct_gather/linux
-JobAcctGatherFrequency=10
+JobAcctGatherFrequency=task=2
 EOF
     # slurmdbd refuses a config readable by others (it holds the database password).
     ( umask 077; cat > "$DIR/etc/slurmdbd.conf" <<EOF

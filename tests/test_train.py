@@ -757,6 +757,29 @@ def test_killing_the_launcher_or_its_process_group_leaves_no_worker_and_the_reru
 
 # A failure inside a worker that is not a user error: rank 1 crashes in its third training step.
 CRASH_SITECUSTOMIZE = rank1_fails_in_step_3('KeyError("injected bug")')
+# Rank 0 is past its SIGTERM handler and stuck when rank 1 crashes, so torchrun's SIGTERM (it stops
+# the group) kills it: CI once saw this order by chance, and the line blamed rank 0.
+RANK0_DIES_OF_TORCHRUNS_SIGTERM = """
+import os
+if os.environ.get("RANK") == "0":
+    import signal, time
+    import ddpmrepro.training.loop as T
+    real = T.diffusion_from_params
+
+    def stuck(*args, **kwargs):
+        diffusion = real(*args, **kwargs)
+        clean, calls = diffusion.training_losses, [0]
+
+        def training_losses(*a, **k):
+            calls[0] += 1
+            if calls[0] == 3:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                time.sleep(300)
+            return clean(*a, **k)
+        diffusion.training_losses = training_losses
+        return diffusion
+    T.diffusion_from_params = stuck
+"""
 
 
 def damaged_data(tmp_path: Path, prepared: Path) -> Path:
@@ -793,12 +816,14 @@ def test_a_user_error_in_the_workers_is_the_single_process_line_and_exit_code(tm
 
 
 @pytest.mark.slow
-def test_a_crash_in_a_worker_shows_its_traceback_and_names_torchruns_log(tmp_path, prepared):
+@pytest.mark.parametrize("rank0", ["exits", "killed_by_torchrun"])
+def test_a_crash_in_a_worker_shows_its_traceback_and_names_torchruns_log(tmp_path, prepared, rank0):
     import re
 
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(CRASH_SITECUSTOMIZE)
+    (hook / "sitecustomize.py").write_text(CRASH_SITECUSTOMIZE + (RANK0_DIES_OF_TORCHRUNS_SIGTERM
+                                                                  if rank0 == "killed_by_torchrun" else ""))
     params = write_params(tmp_path / "p.yaml", train=BY_NPROC[2])
     proc = subprocess.run(train_cmd(tmp_path / "run", prepared, params, 2), capture_output=True, text=True,
                           env={**env(), "PYTHONPATH": f"{hook}{os.pathsep}{SRC}"}, timeout=300)

@@ -121,6 +121,26 @@ def _second_ctrl_c_exits_at_once(work: Path) -> None:
         signal.signal(sig, handler)
 
 
+# pids of the workers torchrun itself signalled to stop, because a peer had failed (or to restart
+# the group): their deaths by SIGTERM follow from the failure and are not its cause.
+_STOPPED_BY_TORCHRUN: set[int] = set()
+
+
+def _note_the_workers_torchrun_stops() -> None:
+    """torchrun records the exit of every worker it stops after a failure, SIGTERM included. A worker
+    stuck in a collective, or one already out of its training loop (its SIGTERM handler gone), dies
+    of that SIGTERM, and a failure report cannot tell it from a rank killed from outside."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.SubprocessContext._close  # torchrun starts `python -m ...` workers as subprocesses
+
+    def close_noting_the_running(self, death_sig, timeout: int = 30):
+        # poll(): None while the worker runs (one that exited by itself is reaped and not noted)
+        _STOPPED_BY_TORCHRUN.update(h.proc.pid for h in self.subprocess_handlers.values() if h.proc.poll() is None)
+        return close(self, death_sig=death_sig, timeout=timeout)
+    api.SubprocessContext._close = close_noting_the_running
+
+
 def _exit_code(exitcode: int) -> int:
     """A worker's exit code as a shell reports it (killed by signal N: 128 + N)."""
     return exitcode if exitcode > 0 else 128 - exitcode if exitcode < 0 else 1
@@ -143,6 +163,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     _second_ctrl_c_exits_at_once(work)
+    _note_the_workers_torchrun_stops()
     keep_log, code = False, 0
     try:
         run.main(argv)
@@ -173,11 +194,14 @@ def _report(e, work: Path, log_path: Path, terminal) -> tuple[int, bool]:
     print(e.format_msg(), file=sys.stderr)  # torchrun's report: every failed rank, into the log
     reports = reported_errors(work / "errors")
     reported = {r["rank"] for r in reports}
-    killed = [rank for rank, f in sorted(e.failures.items()) if f.exitcode < 0 and rank not in reported]
+    # The ranks that failed on their own; those torchrun stopped after them are consequences.
+    failures = {rank: f for rank, f in e.failures.items() if f.pid not in _STOPPED_BY_TORCHRUN} or e.failures
+    killed = [rank for rank, f in sorted(failures.items()) if f.exitcode < 0 and rank not in reported]
     if not killed and reports and reports[0]["message"] is not None:
         print(f"Error: {reports[0]['message']}", file=terminal, flush=True)
         return reports[0]["exit_code"], False
-    rank = killed[0] if killed else reports[0]["rank"] if reports else e.get_first_failure()[0]
+    first = min(failures, key=lambda rank: (failures[rank].timestamp, rank))
+    rank = killed[0] if killed else reports[0]["rank"] if reports else first
     failure = e.failures.get(rank)
     code = failure.exitcode if failure is not None else reports[0]["exit_code"]
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
