@@ -81,7 +81,8 @@ def run_train(run_dir: Path, data: Path, params: Path, nproc: int) -> None:
 
 
 def final_state(run_dir: Path) -> dict:
-    (ckpt_dir,) = (run_dir / "ckpt").glob("*/*")  # <params+data hash>/<code version>
+    # <params+data hash>/<code version>; not Inductor's cache of a compiled run (train.compile)
+    (ckpt_dir,) = (d for d in (run_dir / "ckpt").glob("*/*") if d.parent.name != "inductor-cache")
     state = load_checkpoint(latest_checkpoint(ckpt_dir))
     weights = load_weights(run_dir / "model" / "model.safetensors")
     emas = {r: load_weights(run_dir / "model" / f"ema_{r}.safetensors") for r in ("0.9", "0.99")}

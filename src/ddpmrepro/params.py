@@ -204,6 +204,10 @@ class TrainParams:
                                                    "the last at the last step; each is one weights file per "
                                                    "length in models/ddpm/phema/. The reconstruction error falls "
                                                    "fast with their number (docs/POSTHOC_EMA.md).")
+    compile: str = _f("none", choices=("none", "blocks"),
+                      doc="`blocks`: torch.compile each residual and attention block's forward (regional "
+                          "compilation; docs/BENCHMARKS.md has when it pays). Needs a C++ compiler on CPU, "
+                          "Triton on GPUs. Inductor's caches go to CHECKPOINTS/inductor-cache.")
     timestep_sampler: str = _f("loss-second-moment", choices=("uniform", "loss-second-moment"),
                                doc="IDDPM's importance sampling: p_t proportional to sqrt(E[L_t^2]) over the "
                                    "last 10 losses per t, uniform until all are filled.")
@@ -306,6 +310,10 @@ class SampleParams:
     batch_size: int = _f(250, min=1, doc="Images per forward pass (does not change the images).")
     nproc: int = _f(1, min=1, max=1024, doc="Processes (GPUs); images are sharded, not changed. "
                                             "`ddpmrepro sample --nproc` overrides it.")
+    compile: str = _f("none", choices=("none", "blocks"),
+                      doc="`blocks`: torch.compile each residual and attention block's forward; the images "
+                          "agree with eager ones within float tolerance, not bit for bit. Inductor's caches "
+                          "go to checkpoints/inductor-cache.")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from ..model.diffusion import guided_model_fn
 from ..model import samplers
 from ..model_dir import load_model
 from ..params import Params, ParamsError, SampleParams
+from ..runtime import compilation
 from ..runtime import distributed as D
 
 
@@ -90,9 +91,14 @@ def check_guidance(p: SampleParams, config: dict, model_dir: Path) -> None:
 def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     p = params.sample
     device = torch.device("cuda", D.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    if p.compile != "none":
+        compilation.use_cache_dir(compilation.DEFAULT_CACHE_DIR)
+        compilation.check_available(p.compile, device, "sample.compile")
     D.init(device.type)
     rank, world = D.rank(), D.world_size()
     model, trained, config = load_model(model_dir, p.ema_rate, device, ema_length=p.ema_length)
+    if p.compile == "blocks":  # the network is called nfe times per batch: its blocks compiled once
+        compilation.compile_blocks(model)
     if trained.superres.low_res:
         raise ParamsError(f"{model_dir} is an upsampler (superres.low_res: {trained.superres.low_res}); sample it "
                           "with `ddpmrepro sample-superres` (docs/SUPERRES.md)")

@@ -241,6 +241,10 @@ class UNet(nn.Module):
     classifier-free guidance, so the label table has num_classes + 1 rows.
     """
 
+    # The blocks the network is mostly made of, a few distinct shapes repeated: what regional
+    # compilation compiles (runtime/compilation.py, `train.compile: blocks`).
+    repeated_blocks: tuple[type[nn.Module], ...] = (ResBlock, AttentionBlock)
+
     def __init__(self, image_size: int, in_channels: int, model_channels: int, out_channels: int,
                  num_res_blocks: int, attention_resolutions, dropout: float, channel_mult,
                  num_classes: int | None, num_head_channels: int, scale_shift_norm: bool, *,

@@ -33,6 +33,7 @@ from ..model.superres import build_superres
 from ..model.unet import build_unet
 from ..model_dir import data_section, write_model
 from ..params import Params, ParamsError
+from ..runtime import compilation
 from ..runtime import distributed as D
 from . import checkpoint as ckpt
 from .batches import TrainBatches, TrainExamples, step_seed
@@ -73,6 +74,8 @@ def run_hash(params: Params, data_digest: str) -> str:
 
     d = params.to_dict()
     train = {k: v for k, v in d["train"].items() if k not in OPERATIONAL_TRAIN_KEYS}
+    if train["compile"] == "none":  # compiled kernels round differently; runs from before the option keep their hash
+        del train["compile"]
     # Checkpointing changes memory, not one bit of the updates: a run may resume with it switched.
     model = {k: v for k, v in d["model"].items() if k != "grad_checkpoint"}
     what = {"data": data_digest, "model": model, "diffusion": d["diffusion"], "train": train}
@@ -129,6 +132,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     """Trains the diffusion model described by `params`; returns the final summary (rank 0)."""
     p, sr = params.train, params.superres
     device = resolve_device(p.device)
+    if p.compile != "none":  # refused here, before anything is written, if it cannot work on this machine
+        compilation.use_cache_dir(paths.checkpoint_root / "inductor-cache")
+        compilation.check_available(p.compile, device, "train.compile")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     D.init(device.type)
@@ -198,6 +204,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             if main:
                 log.info("resuming from %s (step %d)", latest, start_step)
         introspection.open_tables(ckpt_dir / "introspect", start_step)
+        if p.compile == "blocks":  # after the EMA copies; hooked modules' blocks stay eager (runtime/compilation.py)
+            compilation.compile_blocks(raw_model, eager_inside=introspection.hooked_modules)
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else raw_model
 
         # Data order: a per-epoch permutation of (seed, epoch) sharded over ranks (DistributedSampler's),

@@ -48,6 +48,11 @@ class Introspection:
         self.writer = None
         self.recording = False
 
+    @property
+    def hooked_modules(self) -> set[str]:
+        """The modules whose activation gradients are hooked (compilation leaves them eager)."""
+        return set(self.activations.names)
+
     def open_tables(self, tables_dir: Path, start_step: int) -> None:
         """The table writer (rank 0), once the step to start from is known: a resumed run's writer
         first drops the rows written after its checkpoint."""
