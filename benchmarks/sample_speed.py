@@ -9,6 +9,8 @@ For each sampler, two contenders on one model (random weights: speed does not de
   ddpmrepro  `ddpmrepro.evaluation.sample.generate`: per-image seeded noise, classifier-free guidance (one
              doubled batch), the diffusion update, uint8 conversion: what `ddpmrepro sample` runs
   bare       the same number of UNet forward passes on the same doubled batch, nothing else
+  ddpmrepro+compile  (--compile) `generate` on a copy of the model whose blocks are compiled
+             (`sample.compile: blocks`); its first block, with the compilation, is timed on its own
 A block is one whole sampling run of a batch. Timing: benchmarks/timing.py's paired rounds
 (both contenders once per round in random order); overhead = per-round time(ddpmrepro) /
 time(bare) - 1, median and spread over rounds (target <= 5%).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -27,7 +30,7 @@ from ddpmrepro.model.diffusion import from_params
 from ddpmrepro.evaluation.sample import generate
 from ddpmrepro.model.unet import PRESETS, build_unet
 from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
-from timing import fmt_ratio, paired_rounds, verdict
+from timing import fmt_ratio, paired_ratios, paired_rounds, spread, verdict
 
 SAMPLERS = {"ddim50": ("ddim", "ddim50"), "ddpm1000": ("ddpm", "")}
 TARGET = 1.05
@@ -50,6 +53,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--samplers", default=",".join(SAMPLERS), help="which of " + ", ".join(SAMPLERS))
+    ap.add_argument("--compile", action="store_true", help="also ddpmrepro with sample.compile: blocks")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.quick:
@@ -62,6 +66,14 @@ def main() -> None:
     model = build_unet(P.ModelParams(preset=a.preset), image_size=a.image_size, in_channels=a.channels,
                        num_classes=a.classes, learn_sigma=False).to(device).eval()
     shape = (a.channels, a.image_size, a.image_size)
+    compiled = None
+    if a.compile:
+        import copy
+
+        from ddpmrepro.runtime.compilation import compile_blocks
+
+        compiled = copy.deepcopy(model)
+        compile_blocks(compiled)
     results = {}
     for name in a.samplers.split(","):
         sampler, respacing = SAMPLERS[name]
@@ -83,19 +95,36 @@ def main() -> None:
         def ours():
             generate(model, diffusion, labels, seeds, p, a.classes, shape, device)
 
+        blocks = {"ddpmrepro": ours, "bare": bare}
+        first_block_s = None
+        if compiled is not None:
+            def ours_compiled():
+                generate(compiled, diffusion, labels, seeds, p, a.classes, shape, device)
+            t0 = time.perf_counter()
+            ours_compiled()
+            sync()
+            first_block_s = time.perf_counter() - t0
+            print(f"{name}: first compiled block {first_block_s:.1f} s", flush=True)
+            blocks["ddpmrepro+compile"] = ours_compiled
         rounds = a.rounds if sampler == "ddim" else a.ddpm_rounds
 
         def progress(r, times, n=n, name=name, rounds=rounds):
             print(f"{name} round {r + 1}/{rounds}: " + ", ".join(f"{m} {n / w:.1f} img/s" for m, (w, _) in times.items()),
                   flush=True)
 
-        timing = paired_rounds({"ddpmrepro": ours, "bare": bare}, "bare", rounds, warmup=a.warmup, seed=a.seed,
+        timing = paired_rounds(blocks, "bare", rounds, warmup=a.warmup, seed=a.seed,
                                sync=sync, progress=progress)
         ratio = timing["ratio_wall"]["ddpmrepro"]
         results[name] = {"images": n, "steps": steps, "forward_batch": doubled,
                          "images_per_sec": {m: n / s["median"] for m, s in timing["wall_s"].items()},
                          "time_ratio_vs_bare": ratio, "overhead_pct": 100 * (ratio["median"] - 1),
                          "verdict": verdict(ratio, TARGET), "timing": timing}
+        if compiled is not None:
+            results[name]["first_compiled_block_s"] = first_block_s
+            per_round = {m: timing["wall_s"][m]["per_round"] for m in ("ddpmrepro", "ddpmrepro+compile")}
+            vs_eager = spread(paired_ratios(per_round, "ddpmrepro+compile", "ddpmrepro"))
+            results[name]["compiled_vs_eager"] = vs_eager
+            print(f"{name}: compiled / eager ddpmrepro {fmt_ratio(vs_eager)}", flush=True)
         print(f"{name}: {n} images, {steps} steps, forward batch {doubled}: time / bare UNet {fmt_ratio(ratio)}, "
               f"cpu {timing['ratio_cpu']['ddpmrepro']['median']:.3f}; target <= {TARGET}: {results[name]['verdict']}",
               flush=True)
@@ -108,6 +137,7 @@ def main() -> None:
         "target": {"what": f"ddpmrepro / bare UNet forwards time <= {TARGET}", "ratio": TARGET},
     }
     tag = "" if (a.device, a.preset) == ("cpu", "tiny") else f"-{a.device}-{a.preset}"
+    tag += "-compile" if a.compile else ""
     out = a.out or Path(f"benchmarks/results/sample_speed{tag}{'-quick' if a.quick else ''}-threads{result['threads']}.json")
     write_result(result, out)
 

@@ -16,6 +16,12 @@ at 1.0, one EMA):
   plain         what one writes by hand: random batch, q_sample, MSE, backward, clip, AdamW, EMA lerp
   diffusers     diffusers' UNet2DModel configured with the same channels, blocks and attention, trained
                 with DDPMScheduler.add_noise in the plain loop (needs `pip install -e .[bench]`)
+  improved-diffusion  improved-diffusion's own UNetModel (the `improved-diffusion-for-SMLM` test extra)
+                with the same channels, blocks, heads and AdaGN, in the plain loop: the reference
+                implementation a researcher would otherwise run
+  ddpmrepro+compile, plain+compile  the same with `train.compile: blocks` (runtime/compilation.py:
+                each residual and attention block's forward through torch.compile). The first block
+                of each (compilation, or Inductor's cache) is timed on its own: `first_block_s`.
 Timing: benchmarks/timing.py's paired rounds (each round one block of --steps steps of every
 contender in random order; ratios per round against `plain`). Target: ddpmrepro / plain step time
 <= 1.05. Writes benchmarks/results/train_step[-<device>-<preset>-<precision>]-threads<N>.json.
@@ -24,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -42,15 +50,30 @@ from timing import fmt_ratio, paired_rounds, verdict
 TARGET = 1.05
 
 
-def bench_params(a, sampler: str, total_steps: int) -> P.Params:
+def width(a) -> dict:
+    """--model-channels as a model override ({} for the preset's width, and for callers without it)."""
+    channels = getattr(a, "model_channels", 0)
+    return {"channels": channels} if channels else {}
+
+
+def model_params(a) -> P.ModelParams:
+    return P.ModelParams(preset=a.preset, **width(a))
+
+
+def architecture(a) -> dict:
+    """The preset's architecture with --model-channels applied (what every contender builds)."""
+    return {**PRESETS[a.preset], **width(a)}
+
+
+def bench_params(a, sampler: str, total_steps: int, compile: str = "none") -> P.Params:
     """ddpmrepro's params for the benchmark: default training recipe, introspection and checkpoints
     off, no lr warm-up (the plain loop has none), one dvclive log line per measured block."""
     return P.from_dict({
         "data": {"image_size": a.image_size, "channels": a.channels},
-        "model": {"preset": a.preset},
+        "model": {"preset": a.preset, **width(a)},
         "train": {"steps": total_steps, "batch_per_proc": a.batch, "device": a.device, "precision": a.precision,
                   "timestep_sampler": sampler, "warmup_steps": 0, "log_every": a.steps,
-                  "checkpoint_every": total_steps, "keep_checkpoints": 1},
+                  "checkpoint_every": total_steps, "keep_checkpoints": 1, "compile": compile},
         "introspect": {"every": 0, "steps": []},
     })
 
@@ -130,9 +153,15 @@ class PlainLoop:
         self.labels = torch.as_tensor(d.train_labels, dtype=torch.long).to(self.device)
         self.num_classes = d.manifest["num_classes"]
         torch.manual_seed(0)
-        self.model = (build_unet(P.ModelParams(preset=a.preset), image_size=a.image_size, in_channels=a.channels,
-                                 num_classes=self.num_classes, learn_sigma=False) if model == "plain"
-                      else diffusers_unet(a, self.num_classes)).to(self.device).train()
+        builders = {"plain": lambda: build_unet(model_params(a), image_size=a.image_size, in_channels=a.channels,
+                                                num_classes=self.num_classes, learn_sigma=False),
+                    "diffusers": lambda: diffusers_unet(a, self.num_classes),
+                    "improved-diffusion": lambda: improved_diffusion_unet(a, self.num_classes)}
+        self.model = builders[model.removesuffix("+compile")]().to(self.device).train()
+        if model.endswith("+compile"):
+            from ddpmrepro.runtime.compilation import compile_blocks
+
+            compile_blocks(self.model)
         self.diffusers = model == "diffusers"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
                                      **({"fused": True} if self.device.type == "cuda" else {"foreach": True}))
@@ -195,7 +224,7 @@ def diffusers_unet(a, num_classes: int):
     """diffusers' UNet2DModel with ddpmrepro's preset: same widths, res blocks, attention levels, heads."""
     from diffusers import UNet2DModel
 
-    cfg = PRESETS[a.preset]
+    cfg = architecture(a)
     widths = tuple(cfg["channels"] * m for m in cfg["channel_mult"])
     attn = [a.image_size // 2**i in cfg["attention_resolutions"] for i in range(len(widths))]
     return UNet2DModel(
@@ -211,6 +240,22 @@ def diffusers_unet(a, num_classes: int):
     )
 
 
+def improved_diffusion_unet(a, num_classes: int):
+    """improved-diffusion's UNetModel with ddpmrepro's preset: same widths, res blocks, attention
+    levels (as downsampling rates), heads, AdaGN and dropout; a label table with the null row too."""
+    from improved_diffusion_for_SMLM.improved_diffusion.unet import UNetModel
+
+    cfg = architecture(a)
+    widths = [cfg["channels"] * m for m in cfg["channel_mult"]]
+    heads = max(1, min(widths) // cfg["num_head_channels"])  # ours: channels // head channels per level
+    if any(w // cfg["num_head_channels"] not in (0, 1, heads) for w in widths):
+        raise SystemExit("improved-diffusion has one head count for all levels; this preset's differ")
+    return UNetModel(a.channels, cfg["channels"], a.channels, cfg["num_res_blocks"],
+                     tuple(a.image_size // r for r in cfg["attention_resolutions"]), dropout=cfg["dropout"],
+                     channel_mult=tuple(cfg["channel_mult"]), num_classes=num_classes + 1, num_heads=heads,
+                     use_scale_shift_norm=cfg["scale_shift_norm"])
+
+
 def cuda_sync(device: str):
     return (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
 
@@ -219,6 +264,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 64, 10 rounds")
     ap.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    ap.add_argument("--model-channels", type=int, default=0, help="the preset's base width instead (0: the preset's)")
     ap.add_argument("--image-size", type=int, default=8)
     ap.add_argument("--channels", type=int, default=1)
     ap.add_argument("--batch", type=int, default=128)
@@ -245,16 +291,25 @@ def main() -> None:
         except ImportError:
             print("diffusers is not installed (pip install -e .[bench]); skipping that mode")
             modes.remove("diffusers")
-    total = (a.warmup + a.rounds) * a.steps
+    total = (1 + a.warmup + a.rounds) * a.steps
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         data_dir = tmp / "prepared"
         prepare(P.DataParams(image_size=a.image_size, channels=a.channels), data_dir)
-        ours = {m: DdpmreproLoop(bench_params(a, "uniform" if m == "ddpmrepro" else "loss-second-moment", total),
+        ours = {m: DdpmreproLoop(bench_params(a, "loss-second-moment" if "+is" in m else "uniform", total,
+                                              compile="blocks" if m.endswith("+compile") else "none"),
                                  train_paths(tmp, data_dir)) for m in modes if m.startswith("ddpmrepro")}
         p = bench_params(a, "uniform", total).train
-        plain = {m: PlainLoop(a, p, data_dir, m, total) for m in modes if m in ("plain", "diffusers")}
+        plain = {m: PlainLoop(a, p, data_dir, m, total) for m in modes if not m.startswith("ddpmrepro")}
         loops = {**ours, **plain}
+        # The first block alone: compilation (or Inductor's on-disk cache) happens in it.
+        first_block_s = {}
+        for m, loop in loops.items():
+            t0 = time.perf_counter()
+            loop.run(a.steps)
+            cuda_sync(a.device)()
+            first_block_s[m] = time.perf_counter() - t0
+            print(f"first block of {m}: {first_block_s[m]:.1f} s", flush=True)
 
         def progress(r, times):
             print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{m} {a.steps * a.batch / w:.0f} img/s"
@@ -273,7 +328,8 @@ def main() -> None:
         "preset": a.preset, "image": [a.channels, a.image_size, a.image_size], "batch": a.batch,
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(), "precision": a.precision,
         "threads": threads, "torch": torch.__version__, "machine": platform.machine(), "params": nparams,
-        "steps_per_block": a.steps,
+        "steps_per_block": a.steps, "model_channels": architecture(a)["channels"],
+        "first_block_s": first_block_s, "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "images_per_sec": {m: a.steps * a.batch / s["median"] for m, s in timing["wall_s"].items()},
         "step_time_ratio_vs_plain": {m: ratio[m] for m in loops},
         "target": {"what": f"ddpmrepro / plain step time <= {TARGET}", "ratio": TARGET,
@@ -281,6 +337,7 @@ def main() -> None:
         "timing": timing,
     }
     tag = "" if (a.device, a.preset) == ("cpu", "tiny") else f"-{a.device}-{a.preset}-{a.precision}"
+    tag += f"-ch{a.model_channels}" if a.model_channels else ""
     out = a.out or Path(f"benchmarks/results/train_step{tag}{'-quick' if a.quick else ''}-threads{threads}.json")
     write_result(result, out)
     load = timing["before"]["load_avg"][0], timing["after"]["load_avg"][0]
