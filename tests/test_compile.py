@@ -40,9 +40,11 @@ pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason=
 @pytest.fixture(scope="module")
 def inductor_cache(tmp_path_factory):
     """One Inductor cache for the module's processes (this one's first compile fixes its own)."""
-    cache = tmp_path_factory.mktemp("inductor-cache")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
-    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
+    yield Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    if before is None:  # later modules' subprocesses choose their own (tests/test_pipeline.py checks where)
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 def in_process(tmp_path: Path, prepared: Path, name: str, **sections) -> Path:
@@ -205,7 +207,7 @@ def test_blocks_with_a_hooked_module_inside_stay_eager():
     inside = f"{blocks[0]}.in_layers"
     compiled = compilation.compile_blocks(model, eager_inside={inside, "input_blocks.0", "out"})
     assert set(compiled) == set(blocks) - {blocks[0]}  # hooks on containers and on other blocks keep theirs
-    assert compilation.compiled_blocks(model) == compiled
+    assert [n for n, m in model.named_modules() if "forward" in vars(m)] == compiled  # only those were touched
     assert compilation.compile_blocks(model, eager_inside={inside}) == compiled  # idempotent
     # parameter names, and so checkpoints, EMAs and the gradient tables, are the eager model's
     assert list(dict(model.named_parameters())) == list(dict(randomised_unet().named_parameters()))

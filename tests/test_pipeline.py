@@ -179,11 +179,12 @@ def test_an_ema_length_edit_samples_and_evaluates_again_and_never_trains(repo):
     assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
 
 
-def test_compiled_training_and_sampling_run_through_dvc_repro_with_a_warm_cache_after(repo):
+def test_compiled_training_and_sampling_run_through_dvc_repro_with_a_warm_cache_after(repo, monkeypatch):
     """`train.compile: blocks` and `sample.compile: blocks` (runtime/compilation.py) as a user turns
     them on: the stages that read them rerun, Inductor's cache fills checkpoints/inductor-cache (git-
     and DVC-ignored: the repo stays clean), and turning them off brings the eager outputs back from
     DVC's run cache without training."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # the stages choose it, as for a user
     eager_model = (repo / "models/ddpm/model.safetensors").read_bytes()
     set_param(repo, "train", "compile", "blocks")
     set_param(repo, "sample", "compile", "blocks")
@@ -197,10 +198,10 @@ def test_compiled_training_and_sampling_run_through_dvc_repro_with_a_warm_cache_
         assert 0 <= metrics["class_acc"] <= 1 and metrics["fid"] > 0
         # compiled kernels round differently: another model, near the eager one
         assert (repo / "models/ddpm/model.safetensors").read_bytes() != eager_model
-    finally:
+    finally:  # the eager outputs back for the tests after this one, whatever failed above
         set_param(repo, "train", "compile", "none")
         set_param(repo, "sample", "compile", "none")
-    out = run(repo, "dvc", "repro").stdout
+        out = run(repo, "dvc", "repro").stdout
     assert "train" not in ran_stages(out)  # "Stage 'train' is cached - skipping run, checking out outputs"
     assert (repo / "models/ddpm/model.safetensors").read_bytes() == eager_model
 

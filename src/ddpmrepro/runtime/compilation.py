@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-MODES = ("none", "blocks")
 # Beside the checkpoints (git- and DVC-ignored), relative to the project: `ddpmrepro train --checkpoints
 # DIR` uses DIR/inductor-cache, and `sample` this one.
 DEFAULT_CACHE_DIR = Path("checkpoints") / "inductor-cache"
@@ -106,8 +105,3 @@ def compile_blocks(model: nn.Module, *, eager_inside: set[str] = frozenset()) ->
             module.forward = torch.compile(module.forward, dynamic=False)
         compiled.append(name)
     return compiled
-
-
-def compiled_blocks(model: nn.Module) -> list[str]:
-    """The names of the blocks whose forward `compile_blocks` compiled."""
-    return [name for name, m in model.named_modules() if "forward" in vars(m)]

@@ -205,7 +205,10 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 log.info("resuming from %s (step %d)", latest, start_step)
         introspection.open_tables(ckpt_dir / "introspect", start_step)
         if p.compile == "blocks":  # after the EMA copies; hooked modules' blocks stay eager (runtime/compilation.py)
-            compilation.compile_blocks(raw_model, eager_inside=introspection.hooked_modules)
+            blocks = compilation.compile_blocks(raw_model, eager_inside=introspection.hooked_modules)
+            if main:
+                log.info("train.compile: %d blocks compile on their first call (Inductor's cache: %s)", len(blocks),
+                         os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else raw_model
 
         # Data order: a per-epoch permutation of (seed, epoch) sharded over ranks (DistributedSampler's),
