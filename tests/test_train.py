@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,7 +115,11 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path, prepared):
     two = write_params(tmp_path / "two.yaml", train={"batch_per_proc": 8, "nproc": 2, "steps": 16},
                        introspect={"steps": [1]})
     run_train(tmp_path / "one", prepared, one, nproc=1)
+    elastic_dirs = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     run_train(tmp_path / "two", prepared, two, nproc=2)
+    # torchrun's own log directory went into the agent's work directory, which is gone: nothing left in /tmp
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) == elastic_dirs
+    assert not list(Path(tempfile.gettempdir()).glob(f"ddpmrepro-torchrun-*@{socket.gethostname()}-*/elastic"))
     # The all-reduced gradients (recorded per parameter after backward, before clipping) equal
     # those of one process on the whole batch: exactly the first time, to float tolerance later.
     import pandas as pd

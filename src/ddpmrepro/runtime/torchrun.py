@@ -164,6 +164,9 @@ def main(argv: list[str]) -> int:
 
     _second_ctrl_c_exits_at_once(work)
     _note_the_workers_torchrun_stops()
+    if not any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv):
+        # torchrun's per-run directory (its error files) in ours, not a /tmp/torchelastic_* left behind each time
+        argv = ["--log-dir", str(work / "elastic"), *argv]
     keep_log, code = False, 0
     try:
         run.main(argv)
