@@ -432,27 +432,33 @@ def test_recorded_grad_norms_are_measured_before_clipping(tmp_path, prepared):
     assert from_rows.values == pytest.approx(steps["total_grad_norm"].values, rel=1e-5)
 
 
-def rank1_fails_in_step_3(exception: str) -> str:
-    """Python source that makes rank 1's third training step raise `exception` (an expression)."""
+def on_rank_in_step_3(rank: int, statements: str) -> str:
+    """Python source (for a sitecustomize.py) that makes rank `rank` run `statements` (indented
+    lines) at the start of its third training step."""
     return f'''
 import os
-if os.environ.get("RANK") == "1":
+if os.environ.get("RANK") == "{rank}":
     import ddpmrepro.training.loop as T
     real = T.diffusion_from_params
 
-    def broken(*args, **kwargs):
+    def changed(*args, **kwargs):
         diffusion = real(*args, **kwargs)
         clean, calls = diffusion.training_losses, [0]
 
         def training_losses(*a, **k):
             calls[0] += 1
             if calls[0] == 3:
-                raise {exception}
+{statements}
             return clean(*a, **k)
         diffusion.training_losses = training_losses
         return diffusion
-    T.diffusion_from_params = broken
+    T.diffusion_from_params = changed
 '''
+
+
+def rank1_fails_in_step_3(exception: str) -> str:
+    """Python source that makes rank 1's third training step raise `exception` (an expression)."""
+    return on_rank_in_step_3(1, f"                raise {exception}")
 
 
 FAILING_RANK_ENTRY = rank1_fails_in_step_3('RuntimeError("injected failure on rank 1")') + """
@@ -766,27 +772,10 @@ def test_killing_the_launcher_or_its_process_group_leaves_no_worker_and_the_reru
 CRASH_SITECUSTOMIZE = rank1_fails_in_step_3('KeyError("injected bug")')
 # Rank 0 is past its SIGTERM handler and stuck when rank 1 crashes, so torchrun's SIGTERM (it stops
 # the group) kills it: CI once saw this order by chance, and the line blamed rank 0.
-RANK0_DIES_OF_TORCHRUNS_SIGTERM = """
-import os
-if os.environ.get("RANK") == "0":
-    import signal, time
-    import ddpmrepro.training.loop as T
-    real = T.diffusion_from_params
-
-    def stuck(*args, **kwargs):
-        diffusion = real(*args, **kwargs)
-        clean, calls = diffusion.training_losses, [0]
-
-        def training_losses(*a, **k):
-            calls[0] += 1
-            if calls[0] == 3:
+RANK0_DIES_OF_TORCHRUNS_SIGTERM = on_rank_in_step_3(0, """\
+                import signal, time
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                time.sleep(300)
-            return clean(*a, **k)
-        diffusion.training_losses = training_losses
-        return diffusion
-    T.diffusion_from_params = stuck
-"""
+                time.sleep(300)""")
 
 
 def damaged_data(tmp_path: Path, prepared: Path) -> Path:
