@@ -91,14 +91,11 @@ def check_guidance(p: SampleParams, config: dict, model_dir: Path) -> None:
 def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     p = params.sample
     device = torch.device("cuda", D.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
-    if p.compile != "none":
-        compilation.use_cache_dir(compilation.DEFAULT_CACHE_DIR)
-        compilation.check_available(p.compile, device, "sample.compile")
+    compiler = compilation.Compiler(p.compile, device, cache_dir=compilation.DEFAULT_CACHE_DIR, key="sample.compile")
     D.init(device.type)
     rank, world = D.rank(), D.world_size()
     model, trained, config = load_model(model_dir, p.ema_rate, device, ema_length=p.ema_length)
-    if p.compile == "blocks":  # the network is called nfe times per batch: its blocks compiled once
-        compilation.compile_blocks(model)
+    compiler(model)  # the network is called nfe times per batch: its blocks compiled once
     if trained.superres.low_res:
         raise ParamsError(f"{model_dir} is an upsampler (superres.low_res: {trained.superres.low_res}); sample it "
                           "with `ddpmrepro sample-superres` (docs/SUPERRES.md)")

@@ -20,6 +20,7 @@ run agrees with the eager run within float tolerance instead of drawing other ma
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -31,6 +32,28 @@ from torch import nn
 # Beside the checkpoints (git- and DVC-ignored), relative to the project: `ddpmrepro train --checkpoints
 # DIR` uses DIR/inductor-cache, and `sample` this one.
 DEFAULT_CACHE_DIR = Path("checkpoints") / "inductor-cache"
+log = logging.getLogger(__name__)
+
+
+class Compiler:
+    """A stage's `compile` param: checked when built (call it before anything is written), applied
+    by calling it on the model once the model is built (and after anything that copies it)."""
+
+    def __init__(self, mode: str, device: torch.device, *, cache_dir: Path, key: str):
+        self.mode = mode
+        if mode != "none":
+            use_cache_dir(cache_dir)  # before check_available, which fixes Inductor's cache directory
+            check_available(mode, device, key)
+
+    def __call__(self, model: nn.Module, *, eager_inside: set[str] = frozenset()) -> list[str]:
+        """Compiles `model`'s blocks in place ("blocks"); returns their names ([] for "none")."""
+        if self.mode == "none":
+            return []
+        blocks = compile_blocks(model, eager_inside=eager_inside)
+        if os.environ.get("RANK", "0") == "0":
+            log.info("%d blocks compile on their first call (Inductor's cache: %s)", len(blocks),
+                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        return blocks
 
 
 class CompileUnavailable(RuntimeError):

@@ -132,9 +132,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     """Trains the diffusion model described by `params`; returns the final summary (rank 0)."""
     p, sr = params.train, params.superres
     device = resolve_device(p.device)
-    if p.compile != "none":  # refused here, before anything is written, if it cannot work on this machine
-        compilation.use_cache_dir(paths.checkpoint_root / "inductor-cache")
-        compilation.check_available(p.compile, device, "train.compile")
+    # Refused here, before anything is written, if it cannot work on this machine.
+    compiler = compilation.Compiler(p.compile, device, cache_dir=paths.checkpoint_root / "inductor-cache",
+                                    key="train.compile")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     D.init(device.type)
@@ -204,11 +204,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             if main:
                 log.info("resuming from %s (step %d)", latest, start_step)
         introspection.open_tables(ckpt_dir / "introspect", start_step)
-        if p.compile == "blocks":  # after the EMA copies; hooked modules' blocks stay eager (runtime/compilation.py)
-            blocks = compilation.compile_blocks(raw_model, eager_inside=introspection.hooked_modules)
-            if main:
-                log.info("train.compile: %d blocks compile on their first call (Inductor's cache: %s)", len(blocks),
-                         os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        compiler(raw_model, eager_inside=introspection.hooked_modules)  # after the EMA copies; hooked blocks stay eager
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else raw_model
 
         # Data order: a per-epoch permutation of (seed, epoch) sharded over ranks (DistributedSampler's),
