@@ -66,7 +66,9 @@ def sh(repo: Path, *cmd: str, env: dict) -> str:
     return proc.stdout
 
 
-def make_repo(workdir: Path, steps: int, env: dict) -> Path:
+def make_repo(workdir: Path, steps: int, env: dict, extra: dict | None = None) -> Path:
+    """The study's git + DVC repo: the default params at `steps` steps as 2 microbatches of 64, and
+    `extra` ({section: {key: value}}) on top."""
     repo = workdir / "repo"
     if repo.exists():
         shutil.rmtree(repo)
@@ -74,6 +76,8 @@ def make_repo(workdir: Path, steps: int, env: dict) -> Path:
     copy_project(repo)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["train"].update(steps=steps, batch_per_proc=64, grad_accum=2)
+    for section, values in (extra or {}).items():
+        params[section].update(values)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     for cmd in (["git", "init", "-q", "-b", "main"], ["dvc", "init", "-q"], ["git", "add", "-A"],
                 ["git", "commit", "-qm", "study params"]):

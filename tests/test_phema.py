@@ -166,6 +166,53 @@ def test_a_length_between_equals_its_direct_tracking_within_the_derived_bound(tm
     assert (got - direct).abs().max() < 1e-3 * direct.abs().max()
 
 
+def test_the_average_as_of_an_earlier_step_is_made_from_the_snapshots_up_to_it(tmp_path):
+    """`sample.ema_step`: at a snapshot step s mid-run, a tracked length gives its own snapshot of
+    step s, and a length between gives what a third EMA tracking it over the first s updates holds
+    (bound as in the test above: the discrete profiles' L1 distance times the half range, plus fp32
+    rounding). A reconstruction that kept the later snapshots, or targeted the last step, fails
+    both: the walk moves far between s and the end."""
+    from ddpmrepro.files import load_weights
+
+    steps, count, at = 2048, 32, 1024
+    thetas = walk(steps)
+    track(thetas, [0.05, 0.1], count=count, directory=tmp_path)
+    train = train_params(steps, count)
+    own = reconstruct(tmp_path, 0.1, train, run_hash="run", at_step=at)["w"]
+    want = load_weights(tmp_path / snapshot_file(at, 0.1))["w"]
+    assert (own - want).abs().max() <= 1e-5 * want.abs().max()
+
+    direct = track(thetas[:at], [0.075], count=count).averages[0.075]["w"].double()
+    got = reconstruct(tmp_path, 0.075, train, run_hash="run", at_step=at)["w"].double()
+    snaps = [(s.updates, s.sigma_rel) for s in list_snapshots(tmp_path) if s.step <= at]
+    c, err = phema.solve(snaps, at, 0.075)
+    w_rec = profile(c, snaps, at)
+    w = np.array(phema.discrete_weights(phema.gamma_of(0.075), at))
+    half_range = (thetas[:at].max(0).values - thetas[:at].min(0).values) / 2
+    bound = float(np.abs(w_rec - w).sum()) * half_range + 1e-6 * thetas.abs().max() * np.abs(c).sum()
+    # 16 snapshots per length up to there, not 32: a looser fit than at the end, within the limit
+    assert ((got - direct).abs() <= bound).all() and 1e-3 < err < MAX_FIT_ERROR
+    at_end = reconstruct(tmp_path, 0.075, train, run_hash="run")["w"].double()
+    assert (at_end - direct).abs().max() > 100 * (got - direct).abs().max()
+
+
+def test_an_ema_step_without_snapshots_there_is_refused_in_params_and_in_the_model_directory(tmp_path):
+    track(walk(64), [0.05, 0.1], count=8, directory=tmp_path)  # snapshots after steps 8, 16, ..., 64
+    with pytest.raises(P.ParamsError, match=r"sample.ema_step: 20 is not a step with post-hoc EMA snapshots "
+                                            r"\(train.steps 64, train.posthoc_ema_snapshots 8: 8, 16, 24, ...\); "
+                                            r"the nearest: 16 or 24, or 0 for the last"):
+        reconstruct(tmp_path, 0.1, train_params(64, 8), run_hash="run", at_step=20)
+    with pytest.raises(P.ParamsError, match="the nearest: 64, or 0"):
+        reconstruct(tmp_path, 0.1, train_params(64, 8), run_hash="run", at_step=65)
+    # params.yaml is refused before any stage runs: the same rule, and ema_step without ema_length
+    raw = {"train": {"steps": 64, "posthoc_ema_snapshots": 8}, "sample": {"ema_length": 0.1, "ema_step": 20}}
+    with pytest.raises(P.ParamsError, match="sample.ema_step: 20 is not a step with post-hoc EMA snapshots"):
+        P.from_dict(raw)
+    with pytest.raises(P.ParamsError, match=r"sample.ema_step: 16 needs sample.ema_length > 0"):
+        P.from_dict({**raw, "sample": {"ema_step": 16}})
+    assert P.from_dict({**raw, "sample": {"ema_length": 0.1, "ema_step": 16}}).sample.ema_step == 16
+
+
 def test_the_solve_against_inner_products_by_numerical_integration():
     """EDM2's closed-form inner products replaced by quadrature of the profiles, solved and
     normalised in the test: the two combinations' profiles agree (profiles, not coefficients: with
@@ -293,10 +340,11 @@ def test_sample_and_export_read_the_reconstructed_average(tmp_path, monkeypatch)
     out = run("train", "--data", "data", "--out", "model", "--live", "live", "--introspect", "intro",
               "--checkpoints", "ckpt")
     assert out.exit_code == 0, out.output
-    model, _, _ = load_model(tmp_path / "model", 0.999, ema_length=0.1)
-    last = load_weights(tmp_path / "model" / "phema" / snapshot_file(16, 0.1))
-    for k, v in model.state_dict().items():
-        assert (v - last[k]).abs().max() <= 1e-5 * max(last[k].abs().max(), 1e-3), k
+    for at in (0, 8):  # the last step, and sample.ema_step: 8
+        model, _, _ = load_model(tmp_path / "model", 0.999, ema_length=0.1, ema_step=at)
+        snap = load_weights(tmp_path / "model" / "phema" / snapshot_file(at or 16, 0.1))
+        for k, v in model.state_dict().items():
+            assert (v - snap[k]).abs().max() <= 1e-5 * max(snap[k].abs().max(), 1e-3), (at, k)
     assert run("sample", "--model", "model", "--out", "samples").exit_code == 0
     out = run("export", "--format", "diffusers", "--model", "model", "--out", "hf")
     assert out.exit_code == 0, out.output

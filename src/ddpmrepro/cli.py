@@ -339,7 +339,7 @@ def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir
     with a real-vs-real floor), optional Inception metrics, test bits/dim.
 
     \b
-    Reads:  params `evaluate.*`, `sample.ema_rate`, `sample.ema_length`; SAMPLES, DATA, EVALUATOR, MODEL, LIVE/metrics.json.
+    Reads:  params `evaluate.*`, `sample.ema_rate`, `sample.ema_length`, `sample.ema_step`; SAMPLES, DATA, EVALUATOR, MODEL, LIVE/metrics.json.
     Writes: OUT (the headline metrics, flat keys), DETAIL (all of them), TABLE; see docs/METRICS.md.
     """
     from .evaluation.evaluate import evaluate as run
@@ -483,14 +483,14 @@ def export(params_path: Path, fmt: str, model_dir: Path, out: Path) -> None:
     """Write a trained (or imported) model as a diffusers pipeline folder.
 
     \b
-    Reads:  params `sample.ema_rate`, `sample.ema_length`; MODEL.
+    Reads:  params `sample.ema_rate`, `sample.ema_length`, `sample.ema_step`; MODEL.
     Writes: OUT/unet/ (UNet2DModel config.json + safetensors), OUT/scheduler/scheduler_config.json
             (DDPMScheduler), OUT/model_index.json (DDPMPipeline), OUT/ddpmrepro.json (null label).
     """
     from .interop.model_dir import export_diffusers
 
     sample = _load_params(params_path).sample
-    export_diffusers(model_dir, out, sample.ema_rate, sample.ema_length)
+    export_diffusers(model_dir, out, sample.ema_rate, sample.ema_length, sample.ema_step)
     click.echo(f"exported {model_dir} -> {out}")
 
 

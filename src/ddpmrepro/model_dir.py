@@ -30,7 +30,7 @@ from . import files
 from .model import phema
 from .model.superres import build_superres
 from .model.unet import UNet, build_unet
-from .params import Params, ParamsError, from_dict
+from .params import Params, ParamsError, check_ema_step, from_dict, snapshot_steps
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -109,10 +109,10 @@ def build_model(trained: Params, data: dict) -> UNet:
     return build_unet(trained.model, **shape)
 
 
-def load_model(model_dir: Path, ema_rate: float, device="cpu", *, ema_length: float = 0.0):
+def load_model(model_dir: Path, ema_rate: float, device="cpu", *, ema_length: float = 0.0, ema_step: int = 0):
     """(the network with the chosen EMA weights (rate 0: the raw weights; `ema_length` > 0: the
-    post-hoc EMA of that length, reconstructed from the snapshots, instead), eval mode on `device`;
-    the params it was made with; config.json)."""
+    post-hoc EMA of that length, reconstructed from the snapshots, instead; as it stood after step
+    `ema_step`, 0 = the last), eval mode on `device`; the params it was made with; config.json)."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     trained = from_dict(config["params"])
@@ -123,7 +123,8 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu", *, ema_length: fl
     model = build_model(trained, config["data"])
     if ema_length:
         name = f"{PHEMA_DIR}/ (sample.ema_length={ema_length:g})"
-        state = reconstruct(model_dir / PHEMA_DIR, ema_length, trained.train, run_hash=config.get("run_hash", ""))
+        state = reconstruct(model_dir / PHEMA_DIR, ema_length, trained.train, run_hash=config.get("run_hash", ""),
+                            at_step=ema_step)
     else:
         state = files.load_weights(model_dir / name)
     missing = set(model.state_dict()) ^ set(state)
@@ -147,12 +148,6 @@ def snapshot_metadata(*, sigma_rel: float, step: int, updates: int, run_hash: st
     snapshots would differ from the uninterrupted run's in the bytes DVC hashes.)"""
     what = {"sigma_rel": float(sigma_rel), "step": step, "updates": updates, "run_hash": run_hash}
     return {SNAPSHOT_FORMAT: json.dumps(what, sort_keys=True)}
-
-
-def snapshot_steps(steps: int, count: int) -> list[int]:
-    """The steps after which a run of `steps` steps writes its `count` snapshots: evenly spaced,
-    the last at the last step (every step where count >= steps)."""
-    return sorted({-(-k * steps // count) for k in range(1, count + 1)})
 
 
 @dataclass(frozen=True)
@@ -203,14 +198,20 @@ def check_snapshots(snaps: list[Snapshot], directory: Path, train, *, run_hash: 
                           "or retrain")
 
 
-def reconstruct(directory: Path, length: float, train, *, run_hash: str) -> dict[str, torch.Tensor]:
-    """The averaged weights of EMA length `length` at the end of the run (name -> fp32 tensor), from
-    the snapshots in `directory` of the run `run_hash` trained with `train` (TrainParams). Reads one
-    snapshot at a time: memory is two copies of the weights (the fp64 sum, one snapshot). Every
-    failure is one ParamsError line (exit 2), before anything is written."""
-    key = f"sample.ema_length={length:g}"
+def reconstruct(directory: Path, length: float, train, *, run_hash: str, at_step: int = 0) -> dict[str, torch.Tensor]:
+    """The averaged weights of EMA length `length` at the end of the run, or as they stood after
+    step `at_step` (> 0) (name -> fp32 tensor), from the snapshots in `directory` of the run
+    `run_hash` trained with `train` (TrainParams). Reads one snapshot at a time: memory is two copies
+    of the weights (the fp64 sum, one snapshot). Every failure is one ParamsError line (exit 2),
+    before anything is written."""
+    key = f"sample.ema_length={length:g}" + (f", sample.ema_step={at_step}" if at_step else "")
     snaps = list_snapshots(directory)
     check_snapshots(snaps, directory, train, run_hash=run_hash, key=key)
+    if at_step:
+        # The average of length `length` at that step is made from what existed then: the snapshots
+        # up to it, whose profiles all end by it (EDM2's solve targets any time, not only the last).
+        check_ema_step(at_step, train)
+        snaps = [s for s in snaps if s.step <= at_step]
     # An average of no update is the initialisation (no profile); steps skipped in a row give two
     # snapshots of one average (the same updates and length): keep one.
     snaps = list({(s.updates, s.sigma_rel): s for s in snaps if s.updates > 0}.values())
@@ -234,6 +235,6 @@ def reconstruct(directory: Path, length: float, train, *, run_hash: str) -> dict
 
 
 __all__ = ["MODEL_FILE", "CONFIG_FILE", "PHEMA_DIR", "SNAPSHOT", "SNAPSHOT_FORMAT", "MAX_FIT_ERROR",
-           "snapshot_file", "snapshot_metadata", "snapshot_steps", "Snapshot", "list_snapshots", "check_snapshots",
+           "snapshot_file", "snapshot_metadata", "snapshot_steps", "check_ema_step", "Snapshot", "list_snapshots", "check_snapshots",
            "reconstruct", "DATA_KEYS", "weights_file", "data_section", "write_model", "read_config",
            "build_model", "load_model"]

@@ -271,7 +271,7 @@ class IntrospectParams:
 
 @dataclass(frozen=True)
 class SampleParams:
-    """Read by `sample` (`ema_rate` and `ema_length` by `evaluate` too)."""
+    """Read by `sample` (`ema_rate`, `ema_length` and `ema_step` by `evaluate` too)."""
 
     ema_rate: float = _f(0.999, min=0.0, max=1.0, doc="Which trained EMA weights to sample from; 0 = the raw "
                                                       "weights.")
@@ -279,6 +279,10 @@ class SampleParams:
                            doc="> 0: sample from the post-hoc EMA of this length (relative standard deviation, "
                                "e.g. 0.08), reconstructed from the snapshots of `train.posthoc_ema` instead of "
                                "`ema_rate`'s weights (docs/POSTHOC_EMA.md); 0 or null = `ema_rate`.")
+    ema_step: int = _f(0, min=0, doc="With `ema_length`: the post-hoc EMA as it stood after this step (one of the "
+                                     "snapshot steps of `train.posthoc_ema_snapshots`), made from the snapshots "
+                                     "up to it: quality over training from one run (docs/POSTHOC_EMA.md); 0 = the "
+                                     "last step.")
     per_class: int = _f(50, min=1, doc="Images per class.")
     sampler: str = _f("ddim", choices=("ddim", "ddpm", "dpmpp_2m", "dpmpp_2m_sde", "unipc", "heun"),
                       doc="Ancestral DDPM sampling, DDIM, or the fast solvers of docs/SAMPLERS.md: "
@@ -493,6 +497,10 @@ def _check_cross_field(obj, path: str) -> None:
             if getattr(obj, key) is not None and obj.loss_weighting != weighting:
                 raise ParamsError(f"{path}.{key}: only read with loss_weighting: {weighting} (it is "
                                   f"{obj.loss_weighting}); remove it")
+    if isinstance(obj, SampleParams) and obj.ema_step and not obj.ema_length:
+        raise ParamsError(f"{path}.ema_step: {obj.ema_step} needs {path}.ema_length > 0 (the fixed-rate EMAs are "
+                          "kept only at the end; the post-hoc EMA's snapshots along the run); set ema_length, "
+                          "e.g. 0.1, or ema_step: 0")
     if isinstance(obj, IntrospectParams) and obj.dump_steps and not obj.dump_modules:
         raise ParamsError(f"{path}.dump_steps: nothing is dumped without {path}.dump_modules; name the modules "
                           "to dump, e.g. [\"out\"], or set dump_steps: []")
@@ -504,6 +512,8 @@ def _check_cross_field(obj, path: str) -> None:
                     raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
                                       f"{obj.train.steps}); steps count completed updates, 1..train.steps")
         _check_noise_buckets(obj)
+        if obj.sample.ema_step:
+            check_ema_step(obj.sample.ema_step, obj.train)
         if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
             raise ParamsError(f"superres.low_res: {obj.superres.low_res} is not below data.image_size "
                               f"({obj.data.image_size}); give the low-res side, e.g. {obj.data.image_size // 2}")
@@ -518,6 +528,23 @@ def _check_cross_field(obj, path: str) -> None:
             space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)
         except ValueError as e:
             raise ParamsError(f"sample.respacing: {e} (with diffusion.timesteps: {obj.diffusion.timesteps})") from None
+
+
+def snapshot_steps(steps: int, count: int) -> list[int]:
+    """The steps after which a run of `steps` steps writes its `count` post-hoc EMA snapshots: evenly
+    spaced, the last at the last step (every step where count >= steps)."""
+    return sorted({-(-k * steps // count) for k in range(1, count + 1)})
+
+
+def check_ema_step(step: int, train: "TrainParams") -> None:
+    """`sample.ema_step` must be a step after which the run of `train` wrote snapshots."""
+    steps = snapshot_steps(train.steps, train.posthoc_ema_snapshots)
+    if step not in steps:
+        nearest = [s for s in steps if s < step][-1:] + [s for s in steps if s > step][:1]
+        raise ParamsError(f"sample.ema_step: {step} is not a step with post-hoc EMA snapshots (train.steps "
+                          f"{train.steps}, train.posthoc_ema_snapshots {train.posthoc_ema_snapshots}: "
+                          f"{', '.join(map(str, steps[:3]))}, ...); the nearest: {' or '.join(map(str, nearest))}, "
+                          "or 0 for the last")
 
 
 def _check_noise_buckets(obj: "Params") -> None:
@@ -658,7 +685,7 @@ def markdown() -> str:
 __all__ = [
     "Params", "ParamsError", "DataParams", "ModelParams", "DiffusionParams", "TrainParams",
     "IntrospectParams", "SampleParams", "SuperresParams", "EvaluatorParams", "EvaluateParams", "ReportParams",
-    "load", "from_dict", "save_resolved", "markdown",
+    "load", "from_dict", "save_resolved", "markdown", "snapshot_steps", "check_ema_step",
 ]
 
 

@@ -51,7 +51,8 @@ def load_samples(samples_dir: Path) -> dict[str, np.ndarray]:
 @torch.no_grad()
 def test_bits_per_dim(params: Params, model_dir: Path, images: np.ndarray, labels: np.ndarray) -> float:
     """Mean bits/dim of the test images under the trained model (full VLB + prior)."""
-    model, trained, _ = load_model(model_dir, params.sample.ema_rate, ema_length=params.sample.ema_length)
+    model, trained, _ = load_model(model_dir, params.sample.ema_rate, ema_length=params.sample.ema_length,
+                                 ema_step=params.sample.ema_step)
     diffusion = diffusion_from_params(trained.diffusion)
     x0 = to_model_range(images)
     y = torch.as_tensor(labels, dtype=torch.long)

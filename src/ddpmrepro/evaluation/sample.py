@@ -94,7 +94,8 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     compiler = compilation.Compiler(p.compile, device, cache_dir=compilation.DEFAULT_CACHE_DIR, key="sample.compile")
     D.init(device.type)
     rank, world = D.rank(), D.world_size()
-    model, trained, config = load_model(model_dir, p.ema_rate, device, ema_length=p.ema_length)
+    model, trained, config = load_model(model_dir, p.ema_rate, device, ema_length=p.ema_length,
+                                         ema_step=p.ema_step)
     compiler(model)  # the network is called nfe times per batch: its blocks compiled once
     if trained.superres.low_res:
         raise ParamsError(f"{model_dir} is an upsampler (superres.low_res: {trained.superres.low_res}); sample it "

@@ -101,7 +101,8 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
     """Upsamples every low-res input (one process); writes OUT/samples.npz (images, labels, seeds,
     low_res, source_index, from_test), grid.png and params.yaml."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model, trained, config = load_model(model_dir, params.sample.ema_rate, device, ema_length=params.sample.ema_length)
+    model, trained, config = load_model(model_dir, params.sample.ema_rate, device,
+                                         ema_length=params.sample.ema_length, ema_step=params.sample.ema_step)
     side = trained.superres.low_res
     if not side:
         raise ParamsError(f"{model_dir} is a base model (superres.low_res: 0 in its config.json); sample it with "

@@ -166,12 +166,14 @@ def use_published(params: Params, data_dir: Path, out: Path, live_dir: Path, int
     return config
 
 
-def export_diffusers(model_dir: Path, out: Path, ema_rate: float, ema_length: float | None = 0.0) -> dict:
+def export_diffusers(model_dir: Path, out: Path, ema_rate: float, ema_length: float | None = 0.0,
+                     ema_step: int = 0) -> dict:
     """Writes a diffusers pipeline folder: `unet/` (UNet2DModel config + safetensors),
     `scheduler/scheduler_config.json` (DDPMScheduler) and `model_index.json` (DDPMPipeline).
     Returns the UNet config. ConversionError if diffusers cannot express the model exactly.
-    `ema_length` > 0 exports the post-hoc EMA of that length (reconstructed) instead of `ema_rate`'s."""
-    model, trained, config = load_model(Path(model_dir), ema_rate, ema_length=ema_length)
+    `ema_length` > 0 exports the post-hoc EMA of that length (reconstructed) instead of `ema_rate`'s,
+    as it stood after step `ema_step` (0: the last)."""
+    model, trained, config = load_model(Path(model_dir), ema_rate, ema_length=ema_length, ema_step=ema_step)
     if trained.superres.low_res:
         # diffusers' super-resolution pipelines condition otherwise (LDM's in a VQ-VAE latent space, IF's
         # through a text-conditioned UNet2DConditionModel): none feeds a UNet2DModel the bilinearly
@@ -193,7 +195,8 @@ def export_diffusers(model_dir: Path, out: Path, ema_rate: float, ema_length: fl
         }, indent=2))
         (tmp / "ddpmrepro.json").write_text(json.dumps({  # where it came from, and what the null label is
             "model_dir": str(model_dir), "ema_rate": ema_rate,
-            **({"ema_length": ema_length} if ema_length else {}), "null_class": config["data"]["num_classes"]
+            **({"ema_length": ema_length} if ema_length else {}),
+            **({"ema_step": ema_step} if ema_step else {}), "null_class": config["data"]["num_classes"]
             if model.label_embed is not None else None, "class_names": config["data"]["class_names"],
             "guidance": "eps = (1 + w) eps(y) - w eps(null): diffusers' guidance scale s = 1 + w",
         }, indent=2))
