@@ -443,6 +443,22 @@ def test_post_hoc_ema_snapshots_that_cannot_make_the_length_are_one_line_exit_2(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("where", ["params", "model"])
+def test_an_ema_step_with_no_snapshots_is_one_line_exit_2(run, where):
+    """`sample.ema_step` off the snapshot steps: refused by params.yaml's own train section, or, where
+    params.yaml says 6 steps (step 4 has snapshots) but the model was trained for 3, by the model's."""
+    train = {**TINY["train"], "steps": 6} if where == "model" else TINY["train"]
+    (run / "params.yaml").write_text(yaml.safe_dump({**TINY, "train": train,
+                                                     "sample": {"ema_length": 0.1, "ema_step": 4, "respacing": ""}}))
+    before = snapshot(run)
+    assert_one_line_error(cli("sample", "--params", "params.yaml", *STAGE_ARGS["sample"]), 2,
+                          "Error: " + ("params.yaml: " if where == "params" else "") +
+                          "sample.ema_step: 4 is not a step with post-hoc EMA snapshots (train.steps 3,",
+                          "the nearest: 3, or 0 for the last")
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
 def test_a_second_process_training_into_the_same_run_is_refused(run):
     (ckpt_dir,) = (run / "ckpt").glob("*/*")
     before = snapshot(run)

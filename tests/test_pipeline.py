@@ -173,7 +173,15 @@ def test_an_ema_length_edit_samples_and_evaluates_again_and_never_trains(repo):
     out = run(repo, "dvc", "repro").stdout
     assert ran_stages(out) == {"check_params", "sample", "evaluate"}
     assert yaml.safe_load((repo / "samples/params.yaml").read_text())["sample"]["ema_length"] == 0.1
+    # The same length as it stood after step 6 of 12 (`sample.ema_step`: a learning curve from one run)
+    at_end = (repo / "samples/samples.npz").read_bytes()
+    set_param(repo, "sample", "ema_step", 6)
+    assert set(json.loads(run(repo, "dvc", "status", "--json").stdout)) == {"check_params", "sample", "evaluate"}
+    assert ran_stages(run(repo, "dvc", "repro").stdout) == {"check_params", "sample", "evaluate"}
+    assert yaml.safe_load((repo / "samples/params.yaml").read_text())["sample"]["ema_step"] == 6
+    assert (repo / "samples/samples.npz").read_bytes() != at_end  # other weights, the same noise
     # Back to sample.ema_rate's weights, again without training (sample's outputs come back from DVC's run cache).
+    set_param(repo, "sample", "ema_step", 0)
     set_param(repo, "sample", "ema_length", 0)
     assert ran_stages(run(repo, "dvc", "repro").stdout) <= {"check_params", "sample", "evaluate"}
     assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout

@@ -543,7 +543,7 @@ def check_ema_step(step: int, train: "TrainParams") -> None:
         nearest = [s for s in steps if s < step][-1:] + [s for s in steps if s > step][:1]
         raise ParamsError(f"sample.ema_step: {step} is not a step with post-hoc EMA snapshots (train.steps "
                           f"{train.steps}, train.posthoc_ema_snapshots {train.posthoc_ema_snapshots}: "
-                          f"{', '.join(map(str, steps[:3]))}, ...); the nearest: {' or '.join(map(str, nearest))}, "
+                          f"{', '.join(map(str, steps[:3]))}{', ...' if len(steps) > 3 else ''}); the nearest: {' or '.join(map(str, nearest))}, "
                           "or 0 for the last")
 
 
