@@ -67,13 +67,20 @@ def architecture(a) -> dict:
 
 def bench_params(a, sampler: str, total_steps: int, compile: str = "none") -> P.Params:
     """ddpmrepro's params for the benchmark: default training recipe, introspection and checkpoints
-    off, no lr warm-up (the plain loop has none), one dvclive log line per measured block."""
+    off, no lr warm-up (the plain loop has none), one dvclive log line per measured block.
+
+    The post-hoc EMA is tracked (its two averages are updated every step, as in every run), but its
+    one snapshot is at the last step, after the timed blocks: a run writes 32 snapshots whatever
+    its length, so a benchmark run of 18-80 steps would write them on 40-100% of its steps (two
+    files of the weights each time, 2 x 40 ms at 8.95M parameters) where a run of 1,500 steps
+    writes them on 2% (docs/POSTHOC_EMA.md, "What it costs")."""
     return P.from_dict({
         "data": {"image_size": a.image_size, "channels": a.channels},
         "model": {"preset": a.preset, **width(a)},
         "train": {"steps": total_steps, "batch_per_proc": a.batch, "device": a.device, "precision": a.precision,
                   "timestep_sampler": sampler, "warmup_steps": 0, "log_every": a.steps,
-                  "checkpoint_every": total_steps, "keep_checkpoints": 1, "compile": compile},
+                  "checkpoint_every": total_steps, "keep_checkpoints": 1, "compile": compile,
+                  "posthoc_ema_snapshots": 1},
         "introspect": {"every": 0, "steps": []},
     })
 
