@@ -257,7 +257,7 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
 
     params = _load_params(params_path)
     if params.train.import_from:  # a published model: imported, not trained (docs/MODELS.md)
-        from .interop.model_dir import use_published
+        from .interop.convert import use_published
 
         config = use_published(params, data_dir, out, live_dir, introspect_dir)
         click.echo(f"training skipped: imported {params.train.import_from} (sha256 "
@@ -466,7 +466,7 @@ def import_(params_path: Path, src: Path, fmt: str, out: Path, data_dir: Path, e
     Fails, writing nothing, on a file of another architecture, a truncated file, missing or
     unexpected keys, a shape mismatch, or a pickle that would run code.
     """
-    from .interop.model_dir import import_model
+    from .interop.convert import import_model
 
     config = import_model(src, fmt, out, _load_params(params_path), data_dir, ema_rate, attention_order)
     click.echo(f"imported {src} (sha256 {config['source']['sha256'][:12]}) -> {out}")
@@ -487,7 +487,7 @@ def export(params_path: Path, fmt: str, model_dir: Path, out: Path) -> None:
     Writes: OUT/unet/ (UNet2DModel config.json + safetensors), OUT/scheduler/scheduler_config.json
             (DDPMScheduler), OUT/model_index.json (DDPMPipeline), OUT/ddpmrepro.json (null label).
     """
-    from .interop.model_dir import export_diffusers
+    from .interop.convert import export_diffusers
 
     sample = _load_params(params_path).sample
     export_diffusers(model_dir, out, sample.ema_rate, sample.ema_length, sample.ema_step)
