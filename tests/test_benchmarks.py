@@ -240,6 +240,33 @@ def test_profile_shares_charge_samples_to_the_loop_statement(tmp_path):
 
 
 @pytest.mark.slow
+def test_convergence_steps_to_a_threshold_and_the_paired_ratios():
+    """benchmarks/convergence.py's reading of the curves, on hand-made ones: the first evaluated step
+    at or past each threshold (higher class accuracy, lower FID is better), ratios only between runs
+    of the same seed that both reached it, and "> steps" for one that never did."""
+    import convergence
+
+    def curve(*points):
+        return [(step, {"class_acc": acc, "fid": fid}) for step, acc, fid in points]
+    runs = {
+        "mse_none-s0": {"config": "mse_none", "seed": 0, "curve": curve((50, 0.5, 9.0), (100, 0.85, 3.5), (150, 0.95, 2.0))},
+        "mse_min_snr5-s0": {"config": "mse_min_snr5", "seed": 0, "curve": curve((50, 0.82, 3.9), (100, 0.93, 2.4),
+                                                                                 (150, 0.96, 2.2))},
+        "mse_none-s1": {"config": "mse_none", "seed": 1, "curve": curve((50, 0.2, 30.0), (100, 0.79, 5.0), (150, 0.80, 4.0))},
+        "mse_min_snr5-s1": {"config": "mse_min_snr5", "seed": 1, "curve": curve((50, 0.3, 20.0), (100, 0.9, 3.0),
+                                                                                 (150, 0.9, 3.0))},
+    }
+    s = convergence.summary(runs, 150)
+    assert s["class_acc >= 0.8"] == {"mse_none": {"0": 100, "1": 150}, "mse_min_snr5": {"0": 50, "1": 100},
+                                     "ratio_none_over_min_snr": [2.0, 1.5]}
+    assert s["class_acc >= 0.93"] == {"mse_none": {"0": 150, "1": None}, "mse_min_snr5": {"0": 100, "1": None},
+                                      "ratio_none_over_min_snr": [1.5]}
+    assert s["fid <= 4"] == {"mse_none": {"0": 100, "1": 150}, "mse_min_snr5": {"0": 50, "1": 100},
+                             "ratio_none_over_min_snr": [2.0, 1.5]}
+    assert s["fid <= 2.5"]["mse_min_snr5"] == {"0": 100, "1": None}
+    assert "| class_acc >= 0.93 | 150, >150 | 100, >150 | 1.50 |" in convergence.table(runs, 150)
+
+
 def test_serial_pieces_script_times_every_piece():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "DVC_NO_ANALYTICS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serial_pieces.py"), "--calls", "0.01"],
