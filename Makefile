@@ -15,7 +15,12 @@ $(BIN)/ddpmrepro: pyproject.toml requirements.lock
 	$(BIN)/pip install -q -c requirements.lock -e '.[dev]'
 	touch $@
 
-setup: $(BIN)/ddpmrepro
+# Bytecode caches into .venv/pycache, not beside the sources (scripts/pycache_prefix.pth says why).
+$(VENV)/.pycache-prefix: scripts/pycache_prefix.pth $(BIN)/ddpmrepro
+	cp scripts/pycache_prefix.pth "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ddpmrepro-pycache-prefix.pth"
+	touch $@
+
+setup: $(BIN)/ddpmrepro $(VENV)/.pycache-prefix
 
 repro: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro

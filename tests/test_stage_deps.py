@@ -115,3 +115,34 @@ def test_every_dvc_param_key_is_in_params_yaml_and_each_config(params_file):
             for part in entry.split("."):
                 assert isinstance(node, dict) and part in node, f"{name}: '{entry}' is not in {params_file}"
                 node = node[part]
+
+
+def test_bytecode_caches_go_to_the_venv_not_beside_the_sources(tmp_path):
+    """The cascade (a DVC subrepo) hashes ../src/ddpmrepro whole, and a subrepo's .dvcignore does
+    not reach outside it (treeverse/dvc#11044): one .pyc beside the sources would rerun all of its
+    stages. `make setup` installs scripts/pycache_prefix.pth, which sends Python's caches to
+    .venv/pycache. Checked with bytecode writing on (a user's default; this CI sets
+    PYTHONDONTWRITEBYTECODE), and against the same import with the prefix taken away, which does
+    write beside the sources."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    venv = ROOT / ".venv"
+    if Path(sys.prefix).resolve() != venv.resolve():
+        pytest.skip("not running in the project's .venv, where `make setup` installs the .pth")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    imports = "import ddpmrepro.cli, ddpmrepro.training.loop"
+    for prefix_kept in (True, False):
+        src = shutil.copytree(ROOT / "src", tmp_path / f"src-{prefix_kept}",
+                              ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        code = imports if prefix_kept else "import sys; sys.pycache_prefix = None; " + imports
+        subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(src)}, check=True)
+        beside = list(src.rglob("*.pyc"))
+        if prefix_kept:
+            assert not beside, beside[:3]
+            moved = venv / "pycache" / str(src.resolve()).lstrip("/") / "ddpmrepro"
+            assert list(moved.glob("cli.*.pyc")), moved
+        else:
+            assert any(p.name.startswith("cli.") for p in beside)
