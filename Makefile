@@ -15,9 +15,9 @@ $(BIN)/ddpmrepro: pyproject.toml requirements.lock
 	$(BIN)/pip install -q -c requirements.lock -e '.[dev]'
 	touch $@
 
-# Bytecode caches into .venv/pycache, not beside the sources (scripts/pycache_prefix.pth says why).
-$(VENV)/.pycache-prefix: scripts/pycache_prefix.pth $(BIN)/ddpmrepro
-	cp scripts/pycache_prefix.pth "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ddpmrepro-pycache-prefix.pth"
+# Bytecode caches into .venv/pycache, not beside the sources (scripts/pycache_prefix.pth.txt says why).
+$(VENV)/.pycache-prefix: scripts/pycache_prefix.pth.txt $(BIN)/ddpmrepro
+	cp scripts/pycache_prefix.pth.txt "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ddpmrepro-pycache-prefix.pth"
 	touch $@
 
 setup: $(BIN)/ddpmrepro $(VENV)/.pycache-prefix

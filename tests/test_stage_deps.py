@@ -120,7 +120,7 @@ def test_every_dvc_param_key_is_in_params_yaml_and_each_config(params_file):
 def test_bytecode_caches_go_to_the_venv_not_beside_the_sources(tmp_path):
     """The cascade (a DVC subrepo) hashes ../src/ddpmrepro whole, and a subrepo's .dvcignore does
     not reach outside it (treeverse/dvc#11044): one .pyc beside the sources would rerun all of its
-    stages. `make setup` installs scripts/pycache_prefix.pth, which sends Python's caches to
+    stages. `make setup` installs scripts/pycache_prefix.pth.txt, which sends Python's caches to
     .venv/pycache. Checked with bytecode writing on (a user's default; this CI sets
     PYTHONDONTWRITEBYTECODE), and against the same import with the prefix taken away, which does
     write beside the sources."""
