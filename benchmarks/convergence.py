@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import shutil
 import statistics
 import sys
@@ -36,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gradient_study import BASE, CONFIGS, make_repo, sh  # noqa: E402
+from gradient_study import BASE, CONFIGS, make_repo, sh, study_env  # noqa: E402
 from results_io import write_result  # noqa: E402
 
 WEIGHTINGS = ("mse_none", "mse_min_snr5")
@@ -132,9 +130,7 @@ def main() -> None:
         sys.exit("--steps must be a multiple of --every (the snapshot steps)")
     keep = a.workdir / "runs"
     if not a.summarise:
-        env = {k: v for k, v in os.environ.items() if k != "DDPMREPRO_CPU_SLOTS"}
-        env.update(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"], DVC_NO_ANALYTICS="1",
-                   DDPMREPRO_CPU_LOCK_DIR=str(a.workdir / "cpu-locks"))
+        env = study_env(a.workdir)
         repo = make_repo(a.workdir, a.steps, env, extra={
             "train": {"anneal": "none", "posthoc_ema": [0.05, EMA_LENGTH], "posthoc_ema_snapshots": a.steps // a.every},
             "introspect": {"every": 0},  # no gradient tables: the noise scale comes from the microbatches

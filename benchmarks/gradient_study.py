@@ -66,6 +66,15 @@ def sh(repo: Path, *cmd: str, env: dict) -> str:
     return proc.stdout
 
 
+def study_env(workdir: Path) -> dict:
+    """The environment of the study's `dvc exp run`s: this Python's tools first, the CPU slots
+    (which the pipeline's stages take) counted in the study's own lock directory."""
+    env = {k: v for k, v in os.environ.items() if k != "DDPMREPRO_CPU_SLOTS"}
+    env.update(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"], DVC_NO_ANALYTICS="1",
+               DDPMREPRO_CPU_LOCK_DIR=str(workdir / "cpu-locks"))
+    return env
+
+
 def make_repo(workdir: Path, steps: int, env: dict, extra: dict | None = None) -> Path:
     """The study's git + DVC repo: the default params at `steps` steps as 2 microbatches of 64, and
     `extra` ({section: {key: value}}) on top."""
@@ -128,9 +137,7 @@ def main() -> None:
         plot(runs, a.out.with_suffix(".png"))
         print(table(runs))
         return
-    env = {k: v for k, v in os.environ.items() if k != "DDPMREPRO_CPU_SLOTS"}
-    env.update(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"], DVC_NO_ANALYTICS="1",
-               DDPMREPRO_CPU_LOCK_DIR=str(a.workdir / "cpu-locks"))
+    env = study_env(a.workdir)
     repo = make_repo(a.workdir, a.steps, env)
     runs = {}
     for name in a.configs:
