@@ -166,6 +166,36 @@ def test_train_step_benchmark_pairs_ddpmrepro_with_the_plain_loop(tmp_path):
 
 
 @pytest.mark.slow
+def test_host_profile_reports_each_loops_step_time_and_its_ops():
+    out = run("step_host_profile.py", "--device", "cpu", "--batch", "4", "--steps", "2", "--warmup", "1", "--top", "5")
+    for mode in ("ddpmrepro", "plain"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"=== {mode}: "))
+        assert float(line.split()[2]) > 0 and "ms/step" in line
+    assert out.count("Self CPU time total") == 2 and "aten::convolution_backward" in out
+
+
+def test_host_profile_charges_each_wait_to_the_python_line_that_caused_it():
+    import warnings
+
+    import step_host_profile
+
+    class Loop:  # stands in for a training loop; each warning stands for one of CUDA's sync warnings
+        def run(self, steps):
+            for _ in range(steps):
+                self.wait_twice()
+
+        def wait_twice(self):
+            warnings.warn("synchronizing", UserWarning)
+            warnings.warn("synchronizing", UserWarning)
+
+    lines = step_host_profile.synchronising_lines(Loop(), 3, debug_mode=lambda mode: None)
+    first = Loop.wait_twice.__code__.co_firstlineno
+    assert {where.split(" <- ")[0]: n for where, n in lines.items()} == {
+        f"test_benchmarks.py:{first + 1}": 3, f"test_benchmarks.py:{first + 2}": 3}
+    assert all(f"test_benchmarks.py:{Loop.run.__code__.co_firstlineno + 2}" in where for where in lines)
+
+
+@pytest.mark.slow
 def test_sample_speed_benchmark_pairs_generate_with_bare_forwards(tmp_path):
     out = tmp_path / "sample.json"
     run("sample_speed.py", "--batch", "4", "--rounds", "3", "--samplers", "ddim50", "--out", str(out))

@@ -231,6 +231,48 @@ def test_vb_at_t0_is_the_decoder_nll_and_model_sees_original_steps():
     assert (out["vb"] >= 0).all()
 
 
+def test_coefficient_gathers_stay_on_the_timesteps_device_and_round_as_before():
+    # On a GPU, moving t to the host (or a table to the device) at each gather made the CPU wait
+    # for the GPU five times a training step (docs/BENCHMARKS.md "On a GPU"). A `meta` tensor
+    # cannot be copied to the host, so the whole loss runs on it only if nothing is.
+    diff = D.GaussianDiffusion(D.get_beta_schedule("cosine", 50), "eps", "learned_range", "hybrid",
+                               timestep_map=range(0, 100, 2))
+    t = torch.tensor([0, 7, 49, 7]).to("meta")
+    x0 = torch.zeros(4, 1, 8, 8, device="meta")
+    seen = []
+
+    def model_fn(x, t_model):
+        seen.append(t_model)
+        return torch.zeros(4, 2, 8, 8, device="meta")
+
+    out = diff.training_losses(model_fn, x0, t, noise=torch.zeros_like(x0))
+    assert {v.device.type for v in out.values()} == {"meta"} and seen[0].device.type == "meta"
+    # The float64 tables are rounded to float32 before the gather now, after it before: the same values.
+    t_cpu = torch.tensor([0, 7, 49, 7])
+    for name in ("sqrt_alphas_cumprod", "one_minus_alphas_cumprod", "posterior_log_variance_clipped", "mse_weights"):
+        table = getattr(diff, name)
+        assert torch.equal(diff._gather(table, t_cpu, 4).flatten(), table[t_cpu].float()), name
+    assert torch.equal(diff.one_minus_alphas_cumprod, 1.0 - diff.alphas_cumprod)
+
+
+@pytest.mark.gpu
+def test_training_losses_never_wait_for_the_gpu():
+    diff = D.GaussianDiffusion(D.get_beta_schedule("linear", 100), "eps", "learned_range", "hybrid")
+    x0 = torch.randn(8, 3, 8, 8, device="cuda")
+    t = torch.randint(0, 100, (8,), device="cuda")
+
+    def model_fn(x, t):  # eps and the variance's interpolation
+        return torch.cat([smooth_eps_model(x, t), torch.zeros_like(x)], dim=1)
+
+    diff.training_losses(model_fn, x0, t)  # the first call moves the tables to the GPU, once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses = diff.training_losses(model_fn, x0, t)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(losses["loss"]).all()
+
+
 # --- respacing ------------------------------------------------------------------------------------
 
 

@@ -244,7 +244,8 @@ class GaussianDiffusion:
         posterior_variance = betas * (1.0 - ac_prev) / (1.0 - ac)  # beta~_t, eq. 7 of Ho et al.
         tables = dict(
             betas=betas, alphas_cumprod=ac, alphas_cumprod_prev=ac_prev, alphas_cumprod_next=ac_next,
-            sqrt_alphas_cumprod=np.sqrt(ac), sqrt_one_minus_alphas_cumprod=np.sqrt(1.0 - ac),
+            sqrt_alphas_cumprod=np.sqrt(ac), one_minus_alphas_cumprod=1.0 - ac,
+            sqrt_one_minus_alphas_cumprod=np.sqrt(1.0 - ac),
             log_one_minus_alphas_cumprod=np.log(1.0 - ac),
             sqrt_recip_alphas_cumprod=np.sqrt(1.0 / ac), sqrt_recipm1_alphas_cumprod=np.sqrt(1.0 / ac - 1),
             posterior_variance=posterior_variance,
@@ -261,19 +262,33 @@ class GaussianDiffusion:
         )
         for name, arr in tables.items():
             setattr(self, name, torch.from_numpy(arr))  # (T,) float64, CPU
+        self._device_tables: dict = {}  # (id(table), device, dtype) -> (table, its copy there): _on
 
     @property
     def learns_variance(self) -> bool:
         return self.variance is Variance.LEARNED_RANGE
 
     def _gather(self, table: torch.Tensor, t: torch.Tensor, ndim: int) -> torch.Tensor:
-        """table[t] as float32 on t's device, shaped (B, 1, ..., 1) to broadcast over ndim dims."""
-        return table[t.cpu()].float().to(t.device).view(-1, *([1] * (ndim - 1)))
+        """table[t] as float32 on t's device, shaped (B, 1, ..., 1) to broadcast over ndim dims.
+
+        The index stays on t's device: moving t to the host (or a table to the device) at every
+        call made the CPU wait for the GPU five times a training step, so it could never queue a
+        step ahead (1.3x the plain loop's step time on an H200, docs/BENCHMARKS.md "On a GPU").
+        Rounding the float64 table to float32 before or after the gather gives the same values."""
+        return self._on(table, t.device, torch.float32)[t].view(-1, *([1] * (ndim - 1)))
+
+    def _on(self, table: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The table as `dtype` on `device`, converted once per (table, device) and kept."""
+        key = (id(table), device, dtype)
+        held = self._device_tables.get(key)
+        if held is None or held[0] is not table:  # `held[0] is table`: an id is not reused while held
+            held = self._device_tables[key] = (table, table.to(device=device, dtype=dtype))
+        return held[1]
 
     def _call(self, model_fn: ModelFn, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Calls the model with the ORIGINAL timestep indices of a (possibly respaced) process
         (rescaled to [0, 1000) as floats under `rescale_timesteps`)."""
-        t_orig = self.timestep_map.to(t.device)[t]
+        t_orig = self._on(self.timestep_map, t.device, torch.int64)[t]
         return model_fn(x, t_orig if self.time_scale is None else t_orig.float() * self.time_scale)
 
     # --- q: the forward process ---
@@ -284,7 +299,7 @@ class GaussianDiffusion:
         :return: (mean, variance, log_variance), each shaped like x0.
         """
         mean = self._gather(self.sqrt_alphas_cumprod, t, x0.ndim) * x0
-        var = self._gather(1.0 - self.alphas_cumprod, t, x0.ndim).expand_as(x0)
+        var = self._gather(self.one_minus_alphas_cumprod, t, x0.ndim).expand_as(x0)
         log_var = self._gather(self.log_one_minus_alphas_cumprod, t, x0.ndim).expand_as(x0)
         return mean, var, log_var
 

@@ -61,8 +61,12 @@ class RunningStats:
         if D.world_size() > 1:
             D.all_reduce_sum_(self.buffer)
         out = {}
-        for name, (sums, counts) in ((n, s.cpu().tolist()) for n, s in self._slices.items()):
-            if self.declared[name] == 1:
+        host = self.buffer.cpu()  # one copy, one wait for the device, per log step
+        offset = 0
+        for name, groups in self.declared.items():
+            sums, counts = host[offset:offset + 2 * groups].view(2, groups).tolist()
+            offset += 2 * groups
+            if groups == 1:
                 out[name] = sums[0] / counts[0] if counts[0] else math.nan
             else:
                 out.update({f"{name}{i}": s / c for i, (s, c) in enumerate(zip(sums, counts)) if c})

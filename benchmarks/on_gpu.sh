@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# docs/BENCHMARKS.md "On a GPU" as one script: the CUDA tests, a host-side profile of the training
+# step, then the training-step, sampling and growth benchmarks, on the ddpm-cifar10 preset at
+# 32x32x3 in bf16. Each part has its own time limit, so one that hangs or fails still leaves the
+# others' results. Results go to OUT (default
+# benchmarks/results/gpu); the full log to OUT/on_gpu.log.
+#
+#     bash benchmarks/on_gpu.sh [OUT]
+#     PARTS="train-step growth" bash benchmarks/on_gpu.sh [OUT]     # only these parts
+#
+# Sized to finish in about 9 minutes on one H100/H200 (torch.compile's cold start included).
+# PYTHON picks the interpreter (default python3), e.g. PYTHON=.venv/bin/python after `make setup`.
+set -u
+OUT=${1:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+LOG=$OUT/on_gpu.log
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+PARTS=${PARTS:-environment cuda-tests host-profile train-step sample-speed growth}
+part() {  # part SECONDS NAME COMMAND...: runs COMMAND under a time limit, logs it, never stops the script
+    local limit=$1 name=$2; shift 2
+    [[ " $PARTS " == *" $name "* ]] || return 0
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+part 30 environment bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
+    $PY -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
+part 150 cuda-tests $PY -m pytest -q -p no:cacheprovider -m gpu tests
+common=(--device cuda --preset ddpm-cifar10 --image-size 32 --channels 3)
+# Where the step waits on the host, ours and the plain loop (the first thing to read if the ratio below moved).
+part 90 host-profile $PY benchmarks/step_host_profile.py "${common[@]}" --precision bf16 --steps 20 --top 15
+# 20-step blocks: 5-step blocks of a ~60 ms step scattered too widely (H100, 2026-11-26).
+part 240 train-step $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 8 --warmup 1 \
+    --modes plain,plain+compile,ddpmrepro,ddpmrepro+compile,improved-diffusion --out "$OUT/train_step-bf16.json"
+part 120 sample-speed $PY benchmarks/sample_speed.py "${common[@]}" --compile --samplers ddim50 --rounds 6 \
+    --out "$OUT/sample_speed-ddim50.json"
+part 60 growth $PY benchmarks/growth.py --device cuda --batch 128 --precision bf16 --peak-tflops 989 --rounds 6 \
+    --out "$OUT/growth-bf16.json"
