@@ -200,7 +200,11 @@ def test_the_microbatch_hooks_measure_each_microbatch_and_the_step_estimate_is_e
     assert means["gns_small_sq"] == pytest.approx(sum(small) / 3, rel=1e-5)
     logged = ns.log_values(means, steps_in_window=1)
     assert (logged["gns_g2"], logged["gns_trace"]) == pytest.approx(want, rel=1e-4)
-    ns.close()
+    with ns:  # as the loop holds it: the hooks are gone after the run, the model is not
+        pass
+    caught = len(ns._grads)
+    per_example_losses(model, x0, t, noise).mean().backward()
+    assert len(ns._grads) == caught and all(not p._backward_hooks for p in model.parameters())
 
 
 @pytest.mark.slow

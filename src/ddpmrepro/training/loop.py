@@ -218,7 +218,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                              images_per_step=p.batch_per_proc * p.grad_accum * world)
         saved_step = start_step
 
-        with StopRequest() as stop, introspection, batches:
+        with StopRequest() as stop, introspection, noise_scale, batches:
             for step in range(start_step, p.steps):
                 done = step + 1  # updates completed after this one: the step number of logs, tables, checkpoints
                 # Dropout masks of this step come from (seed, step, rank).

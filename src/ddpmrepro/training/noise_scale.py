@@ -99,6 +99,12 @@ class NoiseScale:
         self._handles = [p.register_hook(self._catch) for p in raw_model.parameters() if p.requires_grad] \
             if self.enabled else []
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):  # the hooks go with the run (the model may outlive it)
+        self.close()
+
     def _catch(self, grad: torch.Tensor) -> None:
         # Before accumulation into .grad and before DDP's all-reduce: this microbatch's, this rank's.
         if not self._paused:
