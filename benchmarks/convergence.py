@@ -45,7 +45,7 @@ FID_THRESHOLDS = (4.0, 3.0, 2.5)
 
 def command(a) -> str:
     return (f"PYTHONPATH=src python benchmarks/convergence.py --workdir DIR --steps {a.steps} --every {a.every} "
-            f"--seeds {' '.join(map(str, a.seeds))}")
+            f"--seeds {' '.join(map(str, a.seeds))}" + (f" --anneal {a.anneal}" if a.anneal != "none" else ""))
 
 
 def steps_to(curve: list[tuple[int, dict]], key: str, threshold: float, higher_is_better: bool):
@@ -124,6 +124,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--every", type=int, default=50, help="evaluate after every this many steps")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/convergence.json")
+    ap.add_argument("--anneal", default="none", choices=("none", "linear"),
+                    help="train.anneal: with a decay, a point before the end is a model still at a high rate, "
+                         "so compare the last points (--every = --steps evaluates only the end)")
     ap.add_argument("--summarise", action="store_true", help="only the tables and picture of the runs kept")
     a = ap.parse_args()
     if a.steps % a.every:
@@ -132,7 +135,7 @@ def main() -> None:
     if not a.summarise:
         env = study_env(a.workdir)
         repo = make_repo(a.workdir, a.steps, env, extra={
-            "train": {"anneal": "none", "posthoc_ema": [0.05, EMA_LENGTH], "posthoc_ema_snapshots": a.steps // a.every},
+            "train": {"anneal": a.anneal, "posthoc_ema": [0.05, EMA_LENGTH], "posthoc_ema_snapshots": a.steps // a.every},
             "introspect": {"every": 0},  # no gradient tables: the noise scale comes from the microbatches
             "evaluate": {"bpd_images": 0}})
         points = list(range(a.every, a.steps + 1, a.every))
@@ -157,7 +160,7 @@ def main() -> None:
     for d in sorted(keep.iterdir()):
         r = json.loads((d / "curve.json").read_text())
         runs[d.name] = {**r, "curve": [tuple(x) for x in r["curve"]]}
-    write_result({"command": command(a), "steps": a.steps, "every": a.every, "ema_length": EMA_LENGTH,
+    write_result({"command": command(a), "steps": a.steps, "every": a.every, "anneal": a.anneal, "ema_length": EMA_LENGTH,
                   "runs_kept": sorted(runs), "summary": summary(runs, a.steps), "runs": runs}, a.out)
     plot(runs, a.out.with_suffix(".png"))
     print(table(runs, a.steps))
