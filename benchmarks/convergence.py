@@ -37,7 +37,19 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gradient_study import BASE, CONFIGS, make_repo, sh, study_env  # noqa: E402
 from results_io import write_result  # noqa: E402
 
-WEIGHTINGS = ("mse_none", "mse_min_snr5")
+WEIGHTINGS = ("mse_none", "mse_min_snr5")  # the reference first; --gamma G compares mse_min_snr<G> instead
+
+
+def weightings(gamma: float) -> tuple[str, str]:
+    return ("mse_none", f"mse_min_snr{gamma:g}")
+
+
+def config(name: str) -> dict:
+    """The -S overrides of a weighting (gradient_study's, or Min-SNR at another γ)."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    return {"diffusion.loss_weighting": "min_snr", "diffusion.min_snr_gamma": float(name.removeprefix("mse_min_snr")),
+            "train.timestep_sampler": "uniform"}
 EMA_LENGTH = 0.1  # one of train.posthoc_ema's tracked lengths: its snapshots are exact, no fit error
 ACC_THRESHOLDS = (0.80, 0.90, 0.93)
 FID_THRESHOLDS = (4.0, 3.0, 2.5)
@@ -45,7 +57,8 @@ FID_THRESHOLDS = (4.0, 3.0, 2.5)
 
 def command(a) -> str:
     return (f"PYTHONPATH=src python benchmarks/convergence.py --workdir DIR --steps {a.steps} --every {a.every} "
-            f"--seeds {' '.join(map(str, a.seeds))}" + (f" --anneal {a.anneal}" if a.anneal != "none" else ""))
+            f"--seeds {' '.join(map(str, a.seeds))}" + (f" --anneal {a.anneal}" if a.anneal != "none" else "")
+            + (f" --gamma {a.gamma:g}" if a.gamma != 5 else ""))
 
 
 def steps_to(curve: list[tuple[int, dict]], key: str, threshold: float, higher_is_better: bool):
@@ -56,38 +69,39 @@ def steps_to(curve: list[tuple[int, dict]], key: str, threshold: float, higher_i
     return None
 
 
-def summary(runs: dict, steps: int) -> dict:
+def summary(runs: dict, steps: int, names: tuple[str, str] = WEIGHTINGS) -> dict:
     """Per weighting and threshold: the steps of each seed, and the ratio none / min_snr per seed
     (paired: the same seed's data order and initial weights)."""
+    none, min_snr = names
     out = {}
     for key, thresholds, higher in (("class_acc", ACC_THRESHOLDS, True), ("fid", FID_THRESHOLDS, False)):
         for th in thresholds:
             row = {}
-            for w in WEIGHTINGS:
+            for w in names:
                 row[w] = {r["seed"]: steps_to(r["curve"], key, th, higher) for r in runs.values() if r["config"] == w}
-            ratios = [row["mse_none"][s] / row["mse_min_snr5"][s] for s in row["mse_none"]
-                      if row["mse_none"][s] and row["mse_min_snr5"].get(s)]
+            ratios = [row[none][s] / row[min_snr][s] for s in row[none] if row[none][s] and row[min_snr].get(s)]
             out[f"{key} {'>=' if higher else '<='} {th:g}"] = {
-                **{w: {str(s): v for s, v in row[w].items()} for w in WEIGHTINGS},
+                **{w: {str(s): v for s, v in row[w].items()} for w in names},
                 "ratio_none_over_min_snr": ratios}
     return out
 
 
-def table(runs: dict, steps: int) -> str:
-    lines = ["| threshold | steps, none (per seed) | steps, min_snr γ=5 (per seed) | none / min_snr (per seed) |",
+def table(runs: dict, steps: int, names: tuple[str, str] = WEIGHTINGS) -> str:
+    none, min_snr = names
+    lines = [f"| threshold | steps, none (per seed) | steps, {min_snr} (per seed) | none / min_snr (per seed) |",
              "|---|---|---|---|"]
     fmt = lambda v: str(v) if v is not None else f">{steps}"
-    for name, row in summary(runs, steps).items():
+    for name, row in summary(runs, steps, names).items():
         ratios = ", ".join(f"{r:.2f}" for r in row["ratio_none_over_min_snr"]) or "–"
-        lines.append(f"| {name} | {', '.join(fmt(v) for v in row['mse_none'].values())} | "
-                     f"{', '.join(fmt(v) for v in row['mse_min_snr5'].values())} | {ratios} |")
-    lines += ["", "| step | " + " | ".join(f"{w} acc" for w in WEIGHTINGS) + " | "
-              + " | ".join(f"{w} FID" for w in WEIGHTINGS) + " |", "|---|" + "---|" * 4]
+        lines.append(f"| {name} | {', '.join(fmt(v) for v in row[none].values())} | "
+                     f"{', '.join(fmt(v) for v in row[min_snr].values())} | {ratios} |")
+    lines += ["", "| step | " + " | ".join(f"{w} acc" for w in names) + " | "
+              + " | ".join(f"{w} FID" for w in names) + " |", "|---|" + "---|" * 4]
     points = sorted({st for r in runs.values() for st, _ in r["curve"]})
     for st in points:
         cells = []
         for key, fmt_v in (("class_acc", "{:.3f}"), ("fid", "{:.2f}")):
-            for w in WEIGHTINGS:
+            for w in names:
                 vals = [m[key] for r in runs.values() if r["config"] == w for s, m in r["curve"] if s == st]
                 cells.append(f"{fmt_v.format(statistics.fmean(vals))} ({fmt_v.format(min(vals))}..{fmt_v.format(max(vals))})"
                              if vals else "–")
@@ -95,13 +109,13 @@ def table(runs: dict, steps: int) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: dict, path: Path) -> None:
+def plot(runs: dict, path: Path, names: tuple[str, str] = WEIGHTINGS) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    colors = {w: f"C{i}" for i, w in enumerate(WEIGHTINGS)}
+    colors = {w: f"C{i}" for i, w in enumerate(names)}
     for r in runs.values():
         xs = [s for s, _ in r["curve"]]
         for ax, key in zip(axes, ("class_acc", "fid")):
@@ -127,11 +141,15 @@ def main() -> None:
     ap.add_argument("--anneal", default="none", choices=("none", "linear"),
                     help="train.anneal: with a decay, a point before the end is a model still at a high rate, "
                          "so compare the last points (--every = --steps evaluates only the end)")
+    ap.add_argument("--gamma", type=float, default=5.0, help="Min-SNR's γ (diffusion.min_snr_gamma)")
+    ap.add_argument("--resume", action="store_true",
+                    help="skip a (weighting, seed) whose curve is kept in WORKDIR/runs already")
     ap.add_argument("--summarise", action="store_true", help="only the tables and picture of the runs kept")
     a = ap.parse_args()
     if a.steps % a.every:
         sys.exit("--steps must be a multiple of --every (the snapshot steps)")
     keep = a.workdir / "runs"
+    names = weightings(a.gamma)
     if not a.summarise:
         env = study_env(a.workdir)
         repo = make_repo(a.workdir, a.steps, env, extra={
@@ -140,9 +158,12 @@ def main() -> None:
             "evaluate": {"bpd_images": 0}})
         points = list(range(a.every, a.steps + 1, a.every))
         for seed in a.seeds:  # seeds outermost: a run cut short still has both weightings of the first seeds
-            for name in WEIGHTINGS:
+            for name in names:
+                run = keep / f"{name}-s{seed}"
+                if a.resume and (run / "curve.json").exists():
+                    continue
                 t0, curve = time.perf_counter(), []
-                base = {**BASE, **CONFIGS[name], "train.seed": seed, "sample.ema_length": EMA_LENGTH}
+                base = {**BASE, **config(name), "train.seed": seed, "sample.ema_length": EMA_LENGTH}
                 for step in points[::-1]:  # the last first: that run trains, the others only sample
                     sets = {**base, "sample.ema_step": 0 if step == a.steps else step}
                     sh(repo, "dvc", "exp", "run", "-n", f"{name}-s{seed}-at{step}",
@@ -151,7 +172,6 @@ def main() -> None:
                     curve.append((step, {k: metrics.get(k) for k in ("class_acc", "fid", "precision", "recall")}))
                     print(f"{name:14} seed {seed} step {step:5}: acc {metrics.get('class_acc')}  "
                           f"fid {metrics.get('fid'):.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-                run = keep / f"{name}-s{seed}"
                 shutil.rmtree(run, ignore_errors=True)
                 run.mkdir(parents=True)
                 (run / "curve.json").write_text(json.dumps({"config": name, "seed": seed, "curve": curve[::-1],
@@ -159,11 +179,13 @@ def main() -> None:
     runs = {}
     for d in sorted(keep.iterdir()):
         r = json.loads((d / "curve.json").read_text())
-        runs[d.name] = {**r, "curve": [tuple(x) for x in r["curve"]]}
+        if r["config"] in names:
+            runs[d.name] = {**r, "curve": [tuple(x) for x in r["curve"]]}
     write_result({"command": command(a), "steps": a.steps, "every": a.every, "anneal": a.anneal, "ema_length": EMA_LENGTH,
-                  "runs_kept": sorted(runs), "summary": summary(runs, a.steps), "runs": runs}, a.out)
-    plot(runs, a.out.with_suffix(".png"))
-    print(table(runs, a.steps))
+                  "gamma": a.gamma, "runs_kept": sorted(runs), "summary": summary(runs, a.steps, names), "runs": runs},
+                 a.out)
+    plot(runs, a.out.with_suffix(".png"), names)
+    print(table(runs, a.steps, names))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from results_io import write_result  # noqa: E402
 # leaves the last experiment's params in the workspace, and a key a configuration left out would
 # silently keep the previous run's value (the first version of this script ran "mse_none" as hybrid).
 BASE = {"diffusion.variance": "fixed_small", "diffusion.loss": "mse", "diffusion.loss_weighting": "none",
-        "train.timestep_sampler": "uniform"}
+        "diffusion.min_snr_gamma": "null", "train.timestep_sampler": "uniform"}
 LEARNED = {"diffusion.variance": "learned_range"}
 CONFIGS = {  # name: the -S overrides of the run
     "vb_uniform": {**LEARNED, "diffusion.loss": "kl", "train.timestep_sampler": "uniform"},

@@ -295,6 +295,15 @@ def test_convergence_steps_to_a_threshold_and_the_paired_ratios():
                              "ratio_none_over_min_snr": [2.0, 1.5]}
     assert s["fid <= 2.5"]["mse_min_snr5"] == {"0": 100, "1": None}
     assert "| class_acc >= 0.93 | 150, >150 | 100, >150 | 1.50 |" in convergence.table(runs, 150)
+    # --gamma 20: the same reading for Min-SNR at another γ, whose runs set the key the others reset
+    assert convergence.weightings(20) == ("mse_none", "mse_min_snr20")
+    assert convergence.config("mse_min_snr20") == {"diffusion.loss_weighting": "min_snr", "diffusion.min_snr_gamma": 20.0,
+                                                   "train.timestep_sampler": "uniform"}
+    assert convergence.BASE["diffusion.min_snr_gamma"] == "null"
+    renamed = {k.replace("min_snr5", "min_snr20"): {**r, "config": r["config"].replace("min_snr5", "min_snr20")}
+               for k, r in runs.items()}
+    assert convergence.summary(renamed, 150, ("mse_none", "mse_min_snr20"))["class_acc >= 0.8"] == {
+        "mse_none": {"0": 100, "1": 150}, "mse_min_snr20": {"0": 50, "1": 100}, "ratio_none_over_min_snr": [2.0, 1.5]}
 
 
 def test_serial_pieces_script_times_every_piece():
