@@ -85,6 +85,7 @@ def make_repo(workdir: Path, steps: int, env: dict, extra: dict | None = None) -
     copy_project(repo)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["train"].update(steps=steps, batch_per_proc=64, grad_accum=2)
+    params["diffusion"].setdefault("min_snr_gamma", None)  # BASE sets it in every run: `-S` only sets keys that exist
     for section, values in (extra or {}).items():
         params[section].update(values)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
