@@ -37,11 +37,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gradient_study import BASE, CONFIGS, make_repo, sh, study_env  # noqa: E402
 from results_io import write_result  # noqa: E402
 
-WEIGHTINGS = ("mse_none", "mse_min_snr5")  # the reference first; --gamma G compares mse_min_snr<G> instead
+EMA_LENGTH = 0.1  # one of train.posthoc_ema's tracked lengths: its snapshots are exact, no fit error
+ACC_THRESHOLDS = (0.80, 0.90, 0.93)
+FID_THRESHOLDS = (4.0, 3.0, 2.5)
 
 
 def weightings(gamma: float) -> tuple[str, str]:
+    """The two runs compared: the reference first, then Min-SNR at `gamma` (--gamma)."""
     return ("mse_none", f"mse_min_snr{gamma:g}")
+
+
+WEIGHTINGS = weightings(5.0)
 
 
 def config(name: str) -> dict:
@@ -50,9 +56,6 @@ def config(name: str) -> dict:
         return CONFIGS[name]
     return {"diffusion.loss_weighting": "min_snr", "diffusion.min_snr_gamma": float(name.removeprefix("mse_min_snr")),
             "train.timestep_sampler": "uniform"}
-EMA_LENGTH = 0.1  # one of train.posthoc_ema's tracked lengths: its snapshots are exact, no fit error
-ACC_THRESHOLDS = (0.80, 0.90, 0.93)
-FID_THRESHOLDS = (4.0, 3.0, 2.5)
 
 
 def command(a) -> str:
