@@ -10,7 +10,8 @@ code they replace:
 - a compiled run killed and resumed in a new process equals the compiled run uninterrupted, bitwise,
   and Inductor's cache lands beside the checkpoints; 2 compiled processes equal 1 with the double batch;
 - compiled sampling (DDIM, DPM-Solver++) equals eager sampling within tolerance, on randomised weights;
-- no C++ compiler: one line naming train.compile and how to turn it off, the model untouched.
+- no C++ compiler: `train` and `sample` stop with one line naming the key and how to turn it off,
+  and write nothing, not even Inductor's empty cache folder.
 
 Compilation costs about a minute on CPU for the first model of a process; the tests share shapes
 and one Inductor cache directory, so later ones mostly reuse its work.
@@ -213,17 +214,31 @@ def test_blocks_with_a_hooked_module_inside_stay_eager():
     assert list(dict(model.named_parameters())) == list(dict(randomised_unet().named_parameters()))
 
 
-def test_without_a_cxx_compiler_train_compile_is_one_line_and_the_model_is_untouched(tmp_path, prepared):
-    params = write_params(tmp_path / "p.yaml", train={"compile": "blocks"})
+def snapshot(root: Path) -> dict:
+    return {f.relative_to(root).as_posix(): f.read_bytes() if f.is_file() else None for f in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("stage", ["train", "sample"])
+def test_without_a_cxx_compiler_compile_is_one_line_and_nothing_is_written(tmp_path, prepared, stage):
+    """As a user would meet it: the CLI in a project folder, $TORCHINDUCTOR_CACHE_DIR unset (so the
+    cache would go to CHECKPOINTS/inductor-cache, or ./checkpoints/inductor-cache for sample), and
+    not even an empty cache folder is left behind (importing Dynamo for the check creates one)."""
+    params = write_params(tmp_path / "p.yaml", **{stage: {"compile": "blocks"}})
     model = tmp_path / "run" / "model"
     model.mkdir(parents=True)
     (model / "model.safetensors").write_bytes(b"a finished model")
-    proc = subprocess.run(train_cmd(tmp_path / "run", prepared, params, 1), capture_output=True, text=True,
-                          timeout=300, env={**env(), "CXX": str(tmp_path / "no-such-compiler"),
-                                            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
+    if stage == "train":
+        cmd = train_cmd(tmp_path / "run", prepared, params, 1)
+    else:
+        cmd = [*train_cmd(tmp_path / "run", prepared, params, 1)[:3], "sample", "--params", str(params),
+               "--model", str(model), "--out", str(tmp_path / "samples"), "--nproc", "1"]
+    environ = {k: v for k, v in env().items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    before = snapshot(tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**environ, "CXX": str(tmp_path / "no-such-compiler")})
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: train.compile: 'blocks' needs a C++ compiler"), proc.stderr
-    assert "no-such-compiler" in lines[0] and "set train.compile: none" in lines[0]
-    assert (model / "model.safetensors").read_bytes() == b"a finished model"
-    assert not (tmp_path / "run" / "ckpt").exists() or not any((tmp_path / "run" / "ckpt").iterdir())
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {stage}.compile: 'blocks' needs a C++ compiler"), \
+        proc.stderr
+    assert "no-such-compiler" in lines[0] and f"set {stage}.compile: none" in lines[0]
+    assert snapshot(tmp_path) == before  # no run/ckpt/inductor-cache, no ./checkpoints/inductor-cache

@@ -42,8 +42,7 @@ class Compiler:
     def __init__(self, mode: str, device: torch.device, *, cache_dir: Path, key: str):
         self.mode = mode
         if mode != "none":
-            use_cache_dir(cache_dir)  # before check_available, which fixes Inductor's cache directory
-            check_available(mode, device, key)
+            check_leaving_nothing(mode, device, key, cache_dir)
 
     def __call__(self, model: nn.Module, *, eager_inside: set[str] = frozenset()) -> list[str]:
         """Compiles `model`'s blocks in place ("blocks"); returns their names ([] for "none")."""
@@ -92,13 +91,35 @@ def check_available(mode: str, device: torch.device, key: str) -> None:
         raise CompileUnavailable(f"{key}: {mode!r} is not supported on device {device.type!r}; {off}")
 
 
+def check_leaving_nothing(mode: str, device: torch.device, key: str, cache_dir: Path) -> None:
+    """`check_available` under Inductor's cache directory `cache_dir` ($TORCHINDUCTOR_CACHE_DIR
+    first), leaving no folder behind when it raises.
+
+    The check imports Dynamo, and that import creates the cache directory (and its missing parents)
+    and fixes it for the process: so the directory is chosen before the check, and the folders the
+    import created are removed again (if still empty) when compilation cannot work here, because a
+    stage refused at this point writes nothing."""
+    target = use_cache_dir(cache_dir).absolute()
+    created = [d for d in (target, *target.parents) if not d.exists()]  # deepest first
+    try:
+        check_available(mode, device, key)
+    except CompileUnavailable:
+        for folder in created:
+            try:
+                folder.rmdir()  # empty only: another process may have put its files there meanwhile
+            except OSError:
+                break
+        raise
+
+
 def use_cache_dir(directory: Path) -> Path:
     """Inductor's on-disk caches (compiled graphs, kernels, autotuning) go to `directory` unless
     $TORCHINDUCTOR_CACHE_DIR says otherwise, so a rerun or the next `dvc exp run` starts warm. Keep
     it outside DVC's outputs (checkpoints/ is git- and DVC-ignored): it is a cache, not a result.
 
-    Call it before anything asks Inductor for its cache directory (`check_available` does): the
-    first such call fixes it for the process, setting the variable to /tmp/torchinductor_$USER."""
+    Call it before anything asks Inductor for its cache directory: the first such call (importing
+    torch._dynamo makes one, and `check_available` imports it) fixes it for the process, setting the
+    variable to /tmp/torchinductor_$USER, and creates the folder."""
     return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(directory).resolve())))
 
 
