@@ -1,7 +1,9 @@
 """The README and docs/ hold together: every link and picture points at a file that exists, every docs
-page is reachable from the README, and the pictures stay small enough to commit (scripts/docs_images.py)."""
+page is reachable from the README, the pictures stay small enough to commit (scripts/docs_images.py),
+and numbers the docs give about the code are the code's."""
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -35,3 +37,29 @@ def test_the_readme_shows_its_pictures_and_they_are_small():
     assert {"docs/img/stage_graph.png", "docs/img/samples_grid.png", "docs/img/grad_heatmap.png"} <= set(pictures)
     for png in (ROOT / "docs/img").glob("*.png"):
         assert png.stat().st_size < 100_000, f"{png.name}: rerun scripts/docs_images.py, which keeps them small"
+
+
+def test_the_tiny_unets_compiled_blocks_are_those_docs_training_md_counts(monkeypatch):
+    """docs/TRAINING.md, "Compilation": `tiny`: N blocks, M distinct. N: the blocks compile_blocks
+    compiles; M: the graphs Dynamo traces for them in a training forward (backend "eager": no compiler)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from ddpmrepro import params as P
+    from ddpmrepro.model.unet import build_unet
+    from ddpmrepro.runtime import compilation
+
+    if not torch._dynamo.is_dynamo_supported():
+        pytest.skip("torch.compile unsupported here")
+    found = re.search(r"\(`tiny`: (\d+) blocks, (\d+)\s+distinct\)", (ROOT / "docs/TRAINING.md").read_text())
+    assert found, "docs/TRAINING.md no longer counts the tiny preset's blocks: update this test"
+    model = build_unet(P.ModelParams(preset="tiny"), image_size=8, in_channels=1, num_classes=10, learn_sigma=False)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    counters.clear()
+    with torch._dynamo.config.patch(recompile_limit=64), torch._inductor.config.patch(fallback_random=True), \
+            torch._functorch.config.patch(donated_buffer=False):
+        blocks = compilation.compile_blocks(model)
+        model(torch.randn(2, 1, 8, 8), torch.tensor([3, 917]), torch.tensor([0, 1]))
+    distinct = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert (int(found[1]), int(found[2])) == (len(blocks), distinct)

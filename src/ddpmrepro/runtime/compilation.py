@@ -4,9 +4,10 @@ EMA copies and introspection hooks as an eager one.
 
 Why the blocks and not the whole network:
 - **Cold start.** A UNet is a few distinct blocks repeated: Dynamo traces `ResBlock.forward` and
-  `AttentionBlock.forward` once per distinct shape and configuration (the `tiny` preset has 6 of
-  them for 13 blocks), and a second process finds the compiled kernels in Inductor's on-disk caches
-  (`cache_dir`), instead of tracing one graph of every layer each time.
+  `AttentionBlock.forward` once per distinct shape and configuration (the `tiny` preset has 5 of
+  them for 18 blocks, as docs/TRAINING.md says and tests/test_docs.py checks), and a second process
+  finds the compiled kernels in Inductor's on-disk caches (`cache_dir`), instead of tracing one
+  graph of every layer each time.
 - **Hooks stay eager.** The activation-gradient recorder hooks `input_blocks.*`, `middle_block`,
   `output_blocks.*` and `out` (the blocks' containers). Only each block's `forward` is compiled,
   so those hooks, and a hook on a block itself, run as in eager mode, on every recorded step, with
