@@ -77,3 +77,169 @@ def test_the_snakefile_check_brings_the_resolved_files_up_to_date(tmp_path):
     check_params_file(tmp_path / "params.yaml", tmp_path / "resolved")
     assert yaml.safe_load((tmp_path / "resolved/sample.yaml").read_text())["sample"]["guidance"] == 1.5
     assert len(list((tmp_path / "resolved").glob("*.yaml"))) == len(Params().to_dict())  # one per section
+
+
+# --- every refusal that depends on params.yaml alone runs in check_params ---------------------------
+# A stage's own refusal comes after DVC has removed that stage's outputs (and after every stage
+# before it ran): `train.posthoc_ema: []` with `sample.ema_length: 0.08` used to retrain the model,
+# then fail in `sample`. The rule, enforced: every `raise ParamsError` in a stage's code is listed
+# here by file and function, each either with a params file that check-params refuses naming the
+# same key, or with what else it depends on (a model directory, the data, an input file) that
+# check-params cannot read. A new refusal fails `test_every_stage_refusal_is_listed` until it is.
+
+SRC_PACKAGE = SRC / "ddpmrepro"
+BY_PARAMS = {  # site -> [(params.yaml, the key the one line names)]
+    "model_dir.py:load_model": [({"sample": {"ema_rate": 0.99}}, "sample.ema_rate")],
+    "model_dir.py:check_snapshots#0": [({"train": {"posthoc_ema": []}, "sample": {"ema_length": 0.08}},
+                                        "sample.ema_length=0.08")],
+    # (the model directory solves again with the updates the run made: fp16's skipped steps lower them)
+    "model_dir.py:reconstruct#1": [({"sample": {"ema_length": 0.02}}, "sample.ema_length=0.02"),
+                                   ({"sample": {"ema_length": 0.2, "ema_step": 47}}, "sample.ema_length=0.2, "
+                                                                                      "sample.ema_step=47")],
+    "evaluation/superres.py:sample_superres#1": [({"data": {"image_size": 28}, "superres": {"low_res": 12,
+                                                                                             "project": True}},
+                                                  "superres.project")],
+    "evaluation/superres.py:sample_superres#2": [({"superres": {"noise_aug": 0.1, "sample_noise_aug": 0.2}},
+                                                  "superres.sample_noise_aug")],
+    "training/recording.py:Introspection.__init__#0": [({"introspect": {"params": ["nothing.*"]}},
+                                                       "introspect.params")],
+    "training/recording.py:Introspection.__init__#1": [({"introspect": {"modules": ["out", "bogus"]}},
+                                                       "introspect.modules"),
+                                                      ({"introspect": {"dump_steps": [1], "dump_modules": ["out.0"]}},
+                                                       "introspect.modules")],
+    "training/noise_levels.py:NoiseLevelGradients.__init__#0": [
+        ({"introspect": {"noise_bucket_space": "logsnr", "noise_bucket_edges": [100.0]}},
+         "introspect.noise_bucket_edges")],
+    "training/noise_levels.py:NoiseLevelGradients.__init__#1": [
+        ({"introspect": {"noise_bucket_space": "logsnr", "noise_bucket_edges": [10.0]}},
+         "introspect.noise_bucket_edges"),
+        ({"introspect": {"noise_bucket_space": "logsnr", "noise_buckets": 64}}, "introspect.noise_buckets"),
+        ({"introspect": {"noise_bucket_edges": [10.0]}}, "introspect.noise_bucket_edges")],
+}
+BY_OTHER_INPUTS = {  # site -> what it reads besides params.yaml
+    "model_dir.py:list_snapshots": "the snapshot files' metadata",
+    "model_dir.py:check_snapshots#1": "the snapshot files (of another run)",
+    "model_dir.py:check_snapshots#2": "the snapshot files (a foreign one)",
+    "model_dir.py:check_snapshots#3": "the snapshot files (one missing)",
+    "model_dir.py:reconstruct#0": "the snapshots' update counts (every step skipped under fp16)",
+    "model_dir.py:reconstruct#2": "the snapshot files' tensors",
+    "evaluation/sample.py:check_guidance": "the imported model's config.json (whether it has a trained null label)",
+    "evaluation/sample.py:sample": "which command samples the model (sample or sample-superres): the cascade's "
+                                   "stages, not params.yaml",
+    "evaluation/superres.py:low_res_inputs#0": "the command line (--data)",
+    "evaluation/superres.py:low_res_inputs#1": "the prepared data's image size",
+    "evaluation/superres.py:low_res_inputs#2": "the file superres.low_res_from names",
+    "evaluation/superres.py:low_res_inputs#3": "the file superres.low_res_from names",
+    "evaluation/superres.py:low_res_inputs#4": "the file superres.low_res_from names",
+    "evaluation/superres.py:sample_superres#0": "which command samples the model (see evaluation/sample.py)",
+    "training/loop.py:train": "the prepared data's size, where check-params finds no manifest made from these "
+                              "params (prepare runs after it); where it does, it is checked "
+                              "(test_batch_larger_than_the_prepared_data_is_refused_where_the_manifest_is_there)",
+}
+
+
+def stage_refusal_sites() -> list[str]:
+    """`file:function` (`#i`: the i-th in that function) of every `raise ParamsError` outside params.py
+    and this check itself."""
+    import ast
+
+    sites = []
+    for path in sorted(SRC_PACKAGE.rglob("*.py")):
+        rel = path.relative_to(SRC_PACKAGE).as_posix()
+        if rel in ("params.py", "pipeline/check_params.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        found: dict[str, int] = {}
+
+        def visit(node, scope):
+            for child in ast.iter_child_nodes(node):
+                inner = f"{scope}.{child.name}" if scope and isinstance(child, (ast.FunctionDef, ast.ClassDef)) \
+                    else getattr(child, "name", scope) if isinstance(child, (ast.FunctionDef, ast.ClassDef)) else scope
+                if isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call) and \
+                        getattr(child.exc.func, "id", None) == "ParamsError":
+                    found[scope] = found.get(scope, 0) + 1
+                    sites.append((rel, scope, found[scope] - 1))
+                visit(child, inner)
+
+        visit(tree, "")
+    counts = {(rel, scope): n for rel, scope, n in sites}
+    return [f"{rel}:{scope}" + (f"#{i}" if counts[(rel, scope)] > 0 else "") for rel, scope, i in sites]
+
+
+def test_every_stage_refusal_is_listed():
+    sites = stage_refusal_sites()
+    listed = set(BY_PARAMS) | set(BY_OTHER_INPUTS)
+    assert not set(BY_PARAMS) & set(BY_OTHER_INPUTS)
+    assert set(sites) == listed, (f"not listed (add a params case check-params refuses, or say what else it "
+                                  f"reads): {sorted(set(sites) - listed)}; listed but gone: {sorted(listed - set(sites))}")
+
+
+@pytest.mark.parametrize("raw, key", [case for cases in BY_PARAMS.values() for case in cases],
+                         ids=[f"{site}-{i}" for site, cases in BY_PARAMS.items() for i in range(len(cases))])
+def test_each_refusal_of_params_alone_fails_check_params_with_one_line(tmp_path, raw, key):
+    assert check(tmp_path, "{}\n").returncode == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "resolved").iterdir()}
+    proc = check(tmp_path, yaml.safe_dump(raw))
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"Error: params.yaml: {key}"), proc.stderr
+    assert {p: p.read_bytes() for p in (tmp_path / "resolved").iterdir()} == before
+
+
+def test_the_default_patterns_match_every_preset_so_check_params_skips_building_the_model():
+    """check_introspect_patterns builds the model (torch, seconds) only for patterns other than the
+    defaults; this is what lets it skip them."""
+    import torch
+
+    from ddpmrepro.model.superres import build_superres
+    from ddpmrepro.model.unet import PRESETS, build_unet
+    from ddpmrepro.params import IntrospectParams
+    from ddpmrepro.training.introspect import ActivationGradRecorder, ParamGradRecorder
+
+    ip = IntrospectParams()
+    for preset in PRESETS:
+        for low_res in (0, 16):
+            p = from_dict({"model": {"preset": preset}, "data": {"image_size": 32, "channels": 3},
+                           "superres": {"low_res": low_res}})
+            shape = dict(image_size=32, in_channels=3, num_classes=10, learn_sigma=True)
+            with torch.device("meta"):
+                model = build_superres(p.model, p.superres, **shape) if low_res else build_unet(p.model, **shape)
+            assert ParamGradRecorder(model.named_parameters(), ip.params).names
+            ActivationGradRecorder(model, ip.modules, dump_modules=ip.dump_modules).close()
+
+
+def test_checking_the_default_params_imports_no_torch(tmp_path):
+    """The Snakefile checks params.yaml every time Snakemake reads it."""
+    code = ("import sys; from ddpmrepro.pipeline.check_params import check_params_file; "
+            "check_params_file('params.yaml', 'resolved'); assert 'torch' not in sys.modules, 'torch imported'")
+    (tmp_path / "params.yaml").write_text((SRC.parent / "params.yaml").read_text())
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path", ["params.yaml", *sorted(f"configs/{p.name}" for p in (SRC.parent / "configs").glob("*.yaml")),
+                                  "cascade/base.yaml", "cascade/upsampler.yaml"])
+def test_every_params_file_of_the_project_passes_the_pipeline_check(path):
+    from ddpmrepro.params import load
+    from ddpmrepro.pipeline.check_params import check_pipeline
+
+    check_pipeline(load(SRC.parent / path))
+
+
+def test_batch_larger_than_the_prepared_data_is_refused_where_the_manifest_is_there(tmp_path):
+    """train refuses a batch larger than a rank's share of the data; check-params sees it where the
+    manifest prepare made from these very `data:` params is there (otherwise prepare runs first, and
+    train refuses it itself)."""
+    import json
+
+    data = Params().to_dict()["data"]
+    (tmp_path / "data/prepared").mkdir(parents=True)
+    manifest = {"params": data, "num_classes": 10, "counts": {"train": [100] * 10, "test": [20] * 10}}
+    (tmp_path / "data/prepared/manifest.json").write_text(json.dumps(manifest))
+    assert check(tmp_path, "train: {batch_per_proc: 1000}\n").returncode == 0
+    proc = check(tmp_path, "train: {batch_per_proc: 1001}\n")
+    assert proc.returncode == 2 and proc.stderr.startswith("Error: params.yaml: train.batch_per_proc=1001 is larger "
+                                                           "than this rank's 1000 training images"), proc.stderr
+    assert check(tmp_path, "train: {batch_per_proc: 501, nproc: 2}\n").returncode == 2
+    # a manifest of other data params: prepare remakes the data, so nothing is known yet
+    assert check(tmp_path, "train: {batch_per_proc: 1001}\ndata: {split_seed: 1}\n").returncode == 0

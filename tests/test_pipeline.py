@@ -130,8 +130,15 @@ def snapshot(repo: Path) -> dict[str, bytes]:
     return {str(f.relative_to(repo)): f.read_bytes() for f in files if f.is_file()}
 
 
-@pytest.mark.parametrize("typo, key", [({"train": {"bogus_key": 1}}, "train.bogus_key"), ({"trian": {"lr": 0.1}}, "trian"),
-                                       ({"sample": {"eta": "lots"}}, "sample.eta")])
+@pytest.mark.parametrize("typo, key", [
+    ({"train": {"bogus_key": 1}}, "train.bogus_key"), ({"trian": {"lr": 0.1}}, "trian"),
+    ({"sample": {"eta": "lots"}}, "sample.eta"),
+    # Refused by a later stage of these params alone (tests/test_check_params.py lists them all): dvc
+    # repro used to retrain the model, then fail in sample; or remove models/ddpm and fail in train.
+    ({"train": {"posthoc_ema": []}, "sample": {"ema_length": 0.08}}, "sample.ema_length=0.08"),
+    ({"introspect": {"noise_bucket_space": "logsnr", "noise_buckets": 64}}, "introspect.noise_buckets"),
+    ({"introspect": {"params": ["nothing.*"]}}, "introspect.params"),
+])
 def test_a_params_typo_stops_every_front_end_before_any_output_is_touched(repo, typo, key):
     # A finished run, then a typo: DVC used to remove the train stage's outputs before the stage's
     # own command refused the file (models/ddpm/ and the dvclive files were gone).

@@ -152,17 +152,26 @@ def main(verbose: bool) -> None:
 @main.command("check-params")
 @PARAMS_OPTION
 @click.option("--out", default="reports/params", show_default=True, type=click.Path(file_okay=False, path_type=Path))
-def check_params(params_path: Path, out: Path) -> None:
-    """Validate params.yaml; write every section resolved (defaults filled in).
+@click.option("--data", "data_dir", default="data/prepared", show_default=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="The prepared data train will read: its manifest, where prepare made it from these params, "
+                   "checks train.batch_per_proc against the data.")
+def check_params(params_path: Path, out: Path, data_dir: Path) -> None:
+    """Validate params.yaml, and the stages against each other; write every section resolved.
 
     \b
-    Reads:  the whole params file.
+    Reads:  the whole params file; DATA/manifest.json where it is there.
     Writes: OUT/<section>.yaml for each section whose resolved values changed.
-    The pipeline's first stage: DVC runs it before any other stage removes its outputs.
+    The pipeline's first stage: DVC runs it before any other stage removes its outputs, so
+    whatever a later stage would refuse of these params alone is refused here (check_pipeline).
     """
-    from .pipeline.check_params import write_resolved
+    from .pipeline.check_params import check_pipeline, write_resolved
 
     params = _load_params(params_path)
+    try:
+        check_pipeline(params, data_dir)
+    except P.ParamsError as e:
+        raise ParamsFileError(f"{params_path}: {e}") from None
     try:  # not @user_errors: that imports torch, seconds for a stage that runs on every params edit
         written = write_resolved(params, out)
     except OSError as e:

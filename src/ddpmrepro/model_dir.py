@@ -37,9 +37,7 @@ CONFIG_FILE = "config.json"
 PHEMA_DIR = "phema"
 SNAPSHOT = re.compile(r"^step_(\d{9})-sigma_(.+)\.safetensors$")
 SNAPSHOT_FORMAT = "ddpmrepro-phema-1"
-# A length whose profile the snapshots make only farther than this (relative L2) is refused: with
-# 32 snapshots per length, about 0.031 to 0.21 pass from the default [0.05, 0.10] (docs/POSTHOC_EMA.md).
-MAX_FIT_ERROR = 1e-2
+MAX_FIT_ERROR = phema.MAX_FIT_ERROR  # checked from params alone by pipeline/check_params.py too
 DATA_KEYS = ("source", "num_classes", "image_size", "channels", "class_names")
 
 

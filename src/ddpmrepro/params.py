@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import json
 import types
 import typing
@@ -511,7 +510,6 @@ def _check_cross_field(obj, path: str) -> None:
                 if st > obj.train.steps:
                     raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
                                       f"{obj.train.steps}); steps count completed updates, 1..train.steps")
-        _check_noise_buckets(obj)
         if obj.sample.ema_step:
             check_ema_step(obj.sample.ema_step, obj.train)
         if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
@@ -545,34 +543,6 @@ def check_ema_step(step: int, train: "TrainParams") -> None:
                           f"{train.steps}, train.posthoc_ema_snapshots {train.posthoc_ema_snapshots}: "
                           f"{', '.join(map(str, steps[:3]))}{', ...' if len(steps) > 3 else ''}); the nearest: {' or '.join(map(str, nearest))}, "
                           "or 0 for the last")
-
-
-def _check_noise_buckets(obj: "Params") -> None:
-    """Bucket edges that make buckets, each holding examples at this batch (t edges; log-SNR edges
-    are checked against the schedule when training starts)."""
-    ip, T = obj.introspect, obj.diffusion.timesteps
-    edges = ip.noise_bucket_edges
-    if any(b <= a for a, b in zip(edges, edges[1:])):
-        raise ParamsError(f"introspect.noise_bucket_edges: {edges} must be strictly ascending")
-    if edges and ip.noise_bucket_space == "t":
-        bad = [e for e in edges if not 0 < e < T]
-        if bad:
-            raise ParamsError(f"introspect.noise_bucket_edges: {bad[0]} is outside (0, {T}) (t edges, "
-                              f"diffusion.timesteps: {T})")
-        bounds = [0, *edges, T]
-        widths = [len(range(math.ceil(lo), math.ceil(hi))) for lo, hi in zip(bounds, bounds[1:])]
-    elif not edges and ip.noise_bucket_space == "t" and ip.noise_buckets:  # set: checked; null adapts to the batch
-        widths = [len(range(math.ceil(T * k / ip.noise_buckets), math.ceil(T * (k + 1) / ip.noise_buckets)))
-                  for k in range(ip.noise_buckets)]
-    else:
-        return
-    batch = obj.train.batch_per_proc * obj.train.grad_accum * obj.train.nproc
-    key = "introspect.noise_bucket_edges" if edges else "introspect.noise_buckets"
-    for b, w in enumerate(widths):
-        if batch * w / T < 2:
-            raise ParamsError(f"{key}: bucket {b} holds {w} of {T} timesteps, {batch * w / T:.2g} examples per step "
-                              f"at the batch of {batch}; each needs 2 or more (widen it, use fewer buckets or a "
-                              "larger batch)")
 
 
 # Each weighting's keys and the papers' values that null stands for (Hang et al. 2023; Choi et al. 2022).

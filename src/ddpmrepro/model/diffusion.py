@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..respace import space_timesteps  # the kept steps (pure Python, shared with params validation)
+from .schedules import get_beta_schedule  # numpy only: check_params reads the schedule too
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,37 +49,6 @@ class Weighting(str, enum.Enum):
     NONE = "none"  # L_simple as it is: every timestep's MSE counts once
     MIN_SNR = "min_snr"  # Hang et al. 2023: min(SNR_t, gamma) on the x0 scale
     P2 = "p2"  # Choi et al. 2022: 1 / (k + SNR_t)^gamma on the eps scale
-
-
-# --- schedules -------------------------------------------------------------------------------
-
-
-def get_beta_schedule(name: str, num_timesteps: int) -> np.ndarray:
-    """Betas in float64.
-
-    - "linear": Ho et al., beta from 1e-4 to 0.02 for T=1000, scaled by 1000/T for other T so
-      that the total noise stays comparable (IDDPM `get_named_beta_schedule`).
-    - "cosine": Nichol & Dhariwal eq. 17, alpha_bar(t) = cos^2(((t/T + s) / (1 + s)) * pi/2) with
-      s = 0.008, beta_t = min(1 - alpha_bar(t+1)/alpha_bar(t), 0.999) (the cap avoids a
-      singularity at t = T).
-
-    :param name: "linear" or "cosine".
-    :param num_timesteps: T.
-    :return: (T,) float64 array.
-    """
-    if name == "linear":
-        scale = 1000 / num_timesteps
-        return np.linspace(scale * 0.0001, scale * 0.02, num_timesteps, dtype=np.float64)
-    if name == "cosine":
-        def alpha_bar(u: float) -> float:
-            return math.cos((u + 0.008) / 1.008 * math.pi / 2) ** 2
-
-        return np.array(
-            [min(1 - alpha_bar((i + 1) / num_timesteps) / alpha_bar(i / num_timesteps), 0.999)
-             for i in range(num_timesteps)],
-            dtype=np.float64,
-        )
-    raise ValueError(f"unknown beta schedule {name!r}; choose linear or cosine")
 
 
 # --- Gaussian helpers ---------------------------------------------------------------------------

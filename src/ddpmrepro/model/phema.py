@@ -33,6 +33,9 @@ import math
 # gamma = 0, the plain average of every update, is the longest profile with gamma >= 0: lengths
 # above it would need gamma < 0, whose profiles weigh the first updates most.
 MAX_SIGMA_REL = math.sqrt(1.0 / 12.0)
+# A length whose profile the snapshots make only farther than this (relative L2) is refused: with
+# 32 snapshots per length, about 0.031 to 0.21 pass from the default [0.05, 0.10] (docs/POSTHOC_EMA.md).
+MAX_FIT_ERROR = 1e-2
 
 
 def sigma_rel(gamma: float) -> float:
@@ -97,4 +100,4 @@ def solve(snapshots: list[tuple[int, float]], t: int, sigma: float):
     return c, err2 ** 0.5
 
 
-__all__ = ["MAX_SIGMA_REL", "sigma_rel", "gamma_of", "decay", "discrete_weights", "inner_product", "solve"]
+__all__ = ["MAX_SIGMA_REL", "MAX_FIT_ERROR", "sigma_rel", "gamma_of", "decay", "discrete_weights", "inner_product", "solve"]

@@ -11,16 +11,26 @@ a stage depends on the files of the sections it reads, so editing `train.lr` cha
 `train.yaml` only and prepare still does not rerun. The files are `persist` outputs: DVC
 leaves them in place while the check runs, and they are rewritten only when their content
 changes, so a failed check touches nothing at all.
+
+Besides what `params.load` checks (each key, and the keys one stage reads together), the check here
+holds the stages to each other as the pipeline chains them (`check_pipeline`): the run `sample`
+reads is the one `train` made with this very file, so a post-hoc EMA length the run keeps no
+snapshots for, a fixed-rate EMA it does not train, or an introspection pattern that matches no
+module of the model it builds are refused now, not after training (tests/test_check_params.py holds
+every stage-time refusal that depends on the params alone to a case this check refuses).
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import yaml
 
 from ..files import atomic_write_text
-from ..params import Params, ParamsError, load
+from ..model import phema, schedules
+from ..params import Params, ParamsError, load, snapshot_steps
+from ..training.noise_buckets import checked_layout
 
 HEADER = "# Written by `ddpmrepro check-params` from params.yaml, defaults filled in. Do not edit.\n"
 
@@ -45,7 +55,112 @@ def write_resolved(params: Params, out_dir: Path) -> list[Path]:
     return written
 
 
-def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | None = None) -> Params:
+def check_ema_length(length: float, at_step: int, train) -> None:
+    """`sample.ema_length` (as it stood after `at_step`, 0 = the last step) must be a length the run of
+    `train` (TrainParams) can make: it keeps post-hoc EMA snapshots, and they make that profile closely
+    (`phema.solve` on the snapshots' steps and lengths; `model_dir.reconstruct` solves again with the
+    updates the run really made, which steps skipped under fp16 lower)."""
+    key = f"sample.ema_length={length:g}" + (f", sample.ema_step={at_step}" if at_step else "")
+    if not train.posthoc_ema:
+        raise ParamsError(f"{key}: train.posthoc_ema is [], so the run keeps no post-hoc EMA snapshots to make it "
+                          "from; track lengths (e.g. train.posthoc_ema: [0.05, 0.10]) or set sample.ema_length: 0")
+    end = at_step or train.steps
+    steps = [s for s in snapshot_steps(train.steps, train.posthoc_ema_snapshots) if s <= end]
+    _, err = phema.solve([(s, sigma) for s in steps for sigma in train.posthoc_ema], end, length)
+    if err > phema.MAX_FIT_ERROR:
+        raise ParamsError(f"{key}: the snapshots of lengths {', '.join(f'{s:g}' for s in train.posthoc_ema)} "
+                          f"make it only to a profile error of {err:.1e} (at most {phema.MAX_FIT_ERROR:g}); choose a "
+                          "length nearer those, or track it or more snapshots (train.posthoc_ema, "
+                          "train.posthoc_ema_snapshots)")
+
+
+def check_introspect_patterns(params: Params, num_classes: int | None) -> None:
+    """`introspect.params` and `introspect.modules` each match something in the model `train` builds
+    (on the meta device: names, no memory). torch is imported only for patterns other than the
+    defaults, which match every preset (tests/test_check_params.py): a params edit is checked in
+    well under a second."""
+    ip, defaults = params.introspect, type(params.introspect)()
+    if (ip.params, ip.modules, ip.dump_modules) == (defaults.params, defaults.modules, defaults.dump_modules):
+        return
+    import torch
+
+    from ..model.superres import build_superres
+    from ..model.unet import build_unet
+    from ..training.introspect import ActivationGradRecorder, ParamGradRecorder
+
+    shape = dict(image_size=params.data.image_size, in_channels=params.data.channels,
+                 num_classes=num_classes or 10,  # the class count sizes an embedding, never a name
+                 learn_sigma=params.diffusion.variance == "learned_range")
+    with torch.device("meta"):
+        model = build_superres(params.model, params.superres, **shape) if params.superres.low_res else \
+            build_unet(params.model, **shape)
+    try:
+        ParamGradRecorder(model.named_parameters(), ip.params)
+    except ValueError as e:
+        raise ParamsError(f"introspect.params: {e}") from None
+    try:
+        ActivationGradRecorder(model, ip.modules, dump_modules=ip.dump_modules).close()
+    except ValueError as e:
+        raise ParamsError(f"introspect.modules: {e}") from None
+
+
+def check_noise_buckets(params: Params) -> None:
+    """The noise-level buckets of `introspect:` in t or in the schedule's log-SNR: edges inside the
+    schedule, each bucket expecting 2 examples a step at the global batch (the rule
+    `training/noise_levels.py` measures with: `noise_buckets.checked_layout`)."""
+    ip, t = params.introspect, params.train
+    if ip.noise_buckets == 0 and not ip.noise_bucket_edges:
+        return  # off
+    try:
+        checked_layout(schedules.alphas_cumprod(params.diffusion.schedule, params.diffusion.timesteps),
+                       buckets=ip.noise_buckets, edges=ip.noise_bucket_edges, space=ip.noise_bucket_space,
+                       batch_per_step=t.batch_per_proc * t.grad_accum * t.nproc)
+    except ValueError as e:
+        raise ParamsError(str(e)) from None
+
+
+def prepared_manifest(params: Params, data_dir: Path | None) -> dict | None:
+    """The manifest of `data_dir` when `prepare` made it from this file's `data:` section (the data
+    `train` will read); None when absent or made from other params (prepare runs first then)."""
+    path = Path(data_dir) / "manifest.json" if data_dir else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # prepare remakes it; train verifies the data it reads
+    return manifest if manifest.get("params") == params.to_dict()["data"] else None
+
+
+def check_pipeline(params: Params, data_dir: Path | None = None) -> None:
+    """What the stages would refuse of each other, as the pipeline chains them (one ParamsError line):
+    `sample` and `evaluate` read the run that `train` makes from the same file, `train` reads the data
+    `prepare` made (its manifest, where it is already there)."""
+    s, t = params.sample, params.train
+    check_noise_buckets(params)
+    if s.ema_length:
+        check_ema_length(s.ema_length, s.ema_step, t)
+    elif s.ema_rate and not t.import_from and s.ema_rate not in t.ema_rates:
+        # An imported model's rates are its own (model_dir.load_model checks those).
+        raise ParamsError(f"sample.ema_rate: {s.ema_rate:g} is not one of train.ema_rates "
+                          f"({', '.join(f'{r:g}' for r in t.ema_rates)}), so no such weights are trained; "
+                          "pick one of those, or 0 for the raw weights")
+    sr = params.superres
+    if sr.low_res and sr.project and params.data.image_size % sr.low_res:
+        raise ParamsError(f"superres.project: data.image_size {params.data.image_size} is not a whole multiple of "
+                          f"superres.low_res {sr.low_res}, so downsampling is not a block mean to project on; set "
+                          "project: false")
+    manifest = prepared_manifest(params, data_dir)
+    if manifest and not t.import_from:
+        per_rank = sum(manifest["counts"]["train"]) // t.nproc
+        if per_rank < t.batch_per_proc:
+            raise ParamsError(f"train.batch_per_proc={t.batch_per_proc} is larger than this rank's {per_rank} "
+                              f"training images ({data_dir}); lower it")
+    check_introspect_patterns(params, manifest["num_classes"] if manifest else None)
+
+
+def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | None = None,
+                      data_dir: str | Path | None = "data/prepared") -> Params:
     """For the Snakefile: a bad params file exits as the stages do (one line, exit code 2).
 
     With `out_dir` (the check_params stage's --out), the resolved files are also brought up to
@@ -55,6 +170,7 @@ def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | No
     """
     try:
         params = load(path)
+        check_pipeline(params, Path(data_dir) if data_dir else None)
     except ParamsError as e:
         msg = str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
         print(f"Error: {msg}", file=sys.stderr)
