@@ -196,8 +196,25 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("case", ["truncated", "missing", "unexpected", "shape", "other-architecture", "code",
-                                  "not-a-state-dict"])
+def damage_largest_record(pt: Path, out: Path) -> str:
+    """Copies torch's zip checkpoint `pt` to `out` with 16 bytes in the middle of its largest record
+    (a tensor's data) inverted, the zip's structure intact; returns the record's name."""
+    import zipfile
+
+    with zipfile.ZipFile(pt) as z:
+        record = max(z.infolist(), key=lambda i: i.file_size)
+    data = bytearray(pt.read_bytes())
+    # local header: 30 bytes, then the name and the extra field (lengths at offsets 26 and 28), then the data
+    h = record.header_offset
+    start = h + 30 + int.from_bytes(data[h + 26:h + 28], "little") + int.from_bytes(data[h + 28:h + 30], "little")
+    middle = start + record.file_size // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    out.write_bytes(bytes(data))
+    return record.filename
+
+
+@pytest.mark.parametrize("case", ["truncated", "damaged", "missing", "unexpected", "shape", "other-architecture",
+                                  "code", "not-a-state-dict"])
 def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case, tmp_path, monkeypatch):
     root, theirs, pt = small_id
     monkeypatch.chdir(root)
@@ -207,6 +224,10 @@ def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case,
     if case == "truncated":
         bad.write_bytes(pt.read_bytes()[: pt.stat().st_size // 2])
         expected = [str(bad), "truncated"]
+    elif case == "damaged":  # torch.load does not check the records' CRC-32: these weights would load
+        record = damage_largest_record(pt, bad)
+        assert torch.load(bad, weights_only=True).keys() == state.keys()
+        expected = [str(bad), f"record {record} is damaged", "CRC-32", "download it again"]
     elif case == "missing":
         torch.save({k: v for k, v in state.items() if k != "middle_block.1.qkv.weight"}, bad)
         expected = ["middle_block.1.qkv.weight", "missing"]
@@ -231,6 +252,21 @@ def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case,
     before = _snapshot(root)
     one_line_error(cli("import", str(bad), "--format", "improved-diffusion", "--out", "models/bad", "--data", "data"), *expected)
     assert _snapshot(root) == before and not marker.exists()
+
+
+def test_a_legacy_non_zip_checkpoint_has_no_crc_to_check_and_imports(small_id, tmp_path, monkeypatch):
+    from ddpmrepro.model_dir import load_model
+
+    root, theirs, _ = small_id
+    monkeypatch.chdir(root)
+    legacy = tmp_path / "legacy.pt"
+    torch.save(theirs.state_dict(), legacy, _use_new_zipfile_serialization=False)  # torch < 1.6's format
+    assert legacy.read_bytes()[:4] != b"PK\x03\x04"
+    result = cli("import", str(legacy), "--format", "improved-diffusion", "--out", str(tmp_path / "m"), "--data", "data")
+    assert result.exit_code == 0, result.output
+    model, _, _ = load_model(tmp_path / "m", 0.9999)
+    expected = ID.to_ours(theirs.state_dict(), model, source="legacy.pt")
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
 
 
 # --- diffusers: export, import, round trips ------------------------------------------------------------------
@@ -495,7 +531,7 @@ def test_an_unconditional_export_runs_in_ddpmpipeline(tiny_model_dir, tmp_path, 
     assert images.shape == (2, 8, 8, 1) and ((images >= 0) & (images <= 1)).all()
 
 
-@pytest.mark.parametrize("case", ["truncated", "other-class", "block-type", "missing", "no-config"])
+@pytest.mark.parametrize("case", ["truncated", "damaged-bin", "other-class", "block-type", "missing", "no-config"])
 def test_a_bad_diffusers_folder_stops_with_one_line_and_writes_nothing(tiny_model_dir, case, tmp_path, monkeypatch):
     import shutil
 
@@ -506,6 +542,13 @@ def test_a_bad_diffusers_folder_stops_with_one_line_and_writes_nothing(tiny_mode
     if case == "truncated":
         weights.write_bytes(weights.read_bytes()[:1000])
         expected = [str(weights), "truncated"]
+    elif case == "damaged-bin":  # diffusion_pytorch_model.bin is torch's zip format: its CRC-32s are checked too
+        from safetensors.torch import load_file
+        torch.save(load_file(weights), tmp_path / "good.bin")
+        weights.unlink()
+        weights = src / "diffusion_pytorch_model.bin"
+        record = damage_largest_record(tmp_path / "good.bin", weights)
+        expected = [str(weights), f"record {record} is damaged"]
     elif case == "other-class":
         config["_class_name"] = "UNet2DConditionModel"
         expected = ["UNet2DConditionModel", "not a UNet2DModel"]

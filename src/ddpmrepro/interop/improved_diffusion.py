@@ -121,17 +121,35 @@ def from_ours(model: UNet, attention_order: str = "legacy") -> dict[str, torch.T
     return out
 
 
+def damaged_record(path: Path) -> str | None:
+    """The first record of a torch zip checkpoint whose bytes do not match the CRC-32 the archive
+    stores for it, or None. `torch.load` does not check these: bytes overwritten inside a tensor
+    load as other weights. A legacy file (torch < 1.6, or `_use_new_zipfile_serialization=False`) is
+    a bare pickle stream with no checksum to check: None.
+
+    :raises zipfile.BadZipFile, OSError: a zip that cannot be read (truncated, say).
+    """
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":  # what torch.load itself takes for its zip format
+            return None
+    with zipfile.ZipFile(path) as archive:
+        return archive.testzip()  # reads every record, as torch.load will, once more
+
+
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A `.pt` state dict, loaded with `weights_only=True`: a pickle that would run code is refused.
+    A zip-format file's records are checked against their CRC-32 first (`damaged_record`).
 
-    :raises ConversionError: one line naming the file (not found, truncated, not a state dict, or
-        a pickle asking for more than tensors).
+    :raises ConversionError: one line naming the file (not found, truncated, a damaged record, not a
+        state dict, or a pickle asking for more than tensors).
     """
     path = Path(path)
     if not path.is_file():
         raise ConversionError(f"{path}: not found")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        damaged = damaged_record(path)
+        if damaged is None:
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # weights_only refuses any global outside tensors and plain containers, before running it.
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
@@ -141,6 +159,9 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise ConversionError(f"{path}: not a readable torch checkpoint, truncated or damaged ({first}); "
                               "download it again and check its sha256") from None
+    if damaged is not None:
+        raise ConversionError(f"{path}: record {damaged} is damaged (its bytes do not match the CRC-32 the file "
+                              "stores for them); download it again and check its sha256")
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise ConversionError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
     return state
