@@ -92,9 +92,11 @@ def test_a_shard_damaged_after_verification_fails_in_one_line(sharded, tmp_path)
 
 
 class InMemoryBatches:
-    """What training did before format 2: DistributedSampler's list and `images[idx]` on a tensor, synchronously."""
+    """What training did before format 2: DistributedSampler's list and `images[idx]` on a tensor, and
+    the examples' draws, synchronously."""
 
-    def __init__(self, images, *, batch_size, world, rank, seed, device=None):
+    def __init__(self, images, *, batch_size, world, rank, seed, device=None, prepare=None):
+        self.prepare = prepare  # the examples' draws, made here in the training thread
         self.images = torch.as_tensor(np.asarray(images))
         self.sampler = DistributedSampler(range(len(images)), world, rank, shuffle=True, seed=seed, drop_last=True)
         self.batch_size = batch_size
@@ -103,7 +105,7 @@ class InMemoryBatches:
         epoch, pos = divmod(micro, len(self.sampler) // self.batch_size)
         self.sampler.set_epoch(epoch)
         idx = torch.tensor(list(self.sampler)[pos * self.batch_size:(pos + 1) * self.batch_size])
-        return idx, self.images[idx]
+        return (idx, self.images[idx]) if self.prepare is None else self.prepare(micro, idx, self.images[idx])
 
     def __enter__(self):
         return self
@@ -143,3 +145,27 @@ def test_only_whole_file_maps_are_read_with_pread(sharded):
     out = np.empty((2, 1, 8, 8), np.uint8)
     reader.gather(np.array([0, 5]), out)
     assert np.array_equal(out, np.asarray(part)[[10, 15]])
+
+
+def test_training_makes_every_draw_on_the_reader_thread(sharded, tmp_path, monkeypatch, one_thread):
+    """The main thread calls no per-example generator: it takes t from the sampler and launches the
+    step (issue 38: no host work on the step's critical path)."""
+    from ddpmrepro.training import batches as B
+
+    threads = []
+    original = B.example_draws
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(B, "example_draws", recording)
+    params = P.from_dict({
+        "model": {"channels": 8, "channel_mult": [1], "num_res_blocks": 1, "attention_resolutions": [],
+                  "num_head_channels": 8},
+        "diffusion": {"timesteps": 10}, "sample": {"respacing": "ddim5"},
+        "train": {"steps": 3, "batch_per_proc": 16, "grad_accum": 2, "warmup_steps": 0, "ema_rates": [0.9]},
+        "introspect": {"every": 0, "steps": []}})
+    run = tmp_path / "run"
+    T.train(params, T.TrainPaths(sharded, run / "model", run / "live", run / "introspect", run / "ckpt"))
+    assert len(threads) >= 6 and set(threads) == {"ddpmrepro-batches"}, threads

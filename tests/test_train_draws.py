@@ -38,3 +38,57 @@ def test_an_upsamplers_augmentation_draws_come_after_and_leave_the_others_unchan
         torch.rand(3, generator=g, dtype=torch.float64), torch.randn((1, 8, 8), generator=g)
         assert torch.equal(u_aug[i:i + 1], torch.rand(1, generator=g, dtype=torch.float64))
         assert torch.equal(noise_aug[i], torch.randn((1, 4, 4), generator=g))
+
+
+# --- the draws on the read-ahead thread: the numbers of the synchronous code they replaced ---------
+
+
+def synchronous_microbatch(rows, idx, labels, *, micro, seed, rank, world, num_classes, label_dropout, hflip,
+                           superres, sampler):
+    """The microbatch as the training loop made it on its own thread before the draws moved to the
+    reader's (session 12's TrainExamples.microbatch, written out): float images first, then the draws."""
+    from ddpmrepro.data import to_model_range
+    from ddpmrepro.model.superres import augment, low_res_input
+
+    x0 = to_model_range(rows)
+    seeds = [step_seed(seed, micro, rank + world * i, 1) for i in range(len(idx))]
+    low_shape = (x0.shape[1], superres.low_res, superres.low_res) if superres.low_res else None
+    u, noise, *aug = example_draws(seeds, x0.shape[1:], low_shape)
+    if hflip:
+        x0 = torch.where((u[:, 1] < 0.5)[:, None, None, None], x0.flip(-1), x0)
+    y = labels[idx]
+    y = torch.where(u[:, 0] < label_dropout, torch.full_like(y, num_classes), y)
+    t, weights = sampler.sample_from_uniform(u[:, 2])
+    cond = {}
+    if superres.low_res:
+        cond["low_res"] = low_res_input(x0, superres.low_res, superres.quantise)
+        if superres.noise_aug:
+            level = (aug[0] * superres.noise_aug).float()
+            cond = {"low_res": augment(cond["low_res"], level, aug[1]), "aug_level": level}
+    return {"x0": x0, "y": y, "t": t, "weights": weights, "noise": noise, **cond}
+
+
+@pytest.mark.parametrize("hflip", [False, True])
+@pytest.mark.parametrize("low_res, noise_aug", [(0, 0.0), (4, 0.0), (4, 0.2)])
+def test_draws_made_ahead_give_the_microbatch_of_the_synchronous_code_bitwise(hflip, low_res, noise_aug):
+    from ddpmrepro.params import SuperresParams
+    from ddpmrepro.training.batches import TrainExamples
+    from ddpmrepro.training.timestep_sampler import LossSecondMomentSampler
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (40, 3, 8, 8), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, 10, (40,), generator=g)
+    idx = torch.randperm(40, generator=g)[:16]
+    sampler = LossSecondMomentSampler(50, history=2)  # a non-uniform state: its weights enter t and the weights
+    for _ in range(2):
+        sampler.update(torch.arange(50), torch.rand(50, generator=g, dtype=torch.float64) + torch.arange(50) / 10)
+    sr = SuperresParams(low_res=low_res, noise_aug=noise_aug, sample_noise_aug=0.0)
+    kw = dict(seed=3, rank=1, world=2, num_classes=10, label_dropout=0.3, hflip=hflip, superres=sr)
+    examples = TrainExamples(labels, **kw)
+    mb = examples.microbatch(examples.draws(7, idx, images[idx]), sampler).to(torch.device("cpu"))
+    want = synchronous_microbatch(images[idx], idx, labels, micro=7, sampler=sampler, **kw)
+    got = {"x0": mb.x0, "y": mb.y, "t": mb.t, "weights": mb.weights, "noise": mb.noise, **mb.cond}
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    assert hflip == bool(mb.flip is not None and mb.flip.any())  # the flip case flips something

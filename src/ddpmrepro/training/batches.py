@@ -15,8 +15,12 @@ memory then stays flat for the whole run (touched pages of a map count in its RS
 which over an epoch means the whole dataset), the kernel's page cache still serves repeated reads,
 and no readahead is wasted on random rows. A background thread reads the next microbatches (two
 ahead) while the current one computes, into pinned memory when training on a GPU (the copy to the
-device can then overlap). It computes nothing that enters the model: the numbers are those of a
-synchronous read.
+device can then overlap). The same thread makes each example's own draws (`TrainExamples.draws`:
+label dropout, flip, the uniform behind its timestep, its noise, an upsampler's low-res input):
+none depends on the training's state, so they are the numbers a synchronous draw gives, and the
+main thread is left only t = sampler(u), which must follow the previous step's sampler update, and
+the launch of the step. Images go to the device as uint8 and become floats there (a quarter of
+the bytes to copy).
 """
 from __future__ import annotations
 
@@ -79,14 +83,16 @@ class RowReader:
 
 
 class TrainBatches:
-    """`get(m)` -> (indices, uint8 images (B, C, H, W)) of this rank's microbatch m, m = 0, 1, 2, ...;
-    a background thread reads m + 1 and m + 2 meanwhile. Use as a context manager (or call `close`):
-    the thread stops on exit, on errors and on SIGTERM's SystemExit alike."""
+    """`get(m)` -> (indices, uint8 images (B, C, H, W)) of this rank's microbatch m, m = 0, 1, 2, ...,
+    or what `prepare(m, indices, images)` makes of them; a background thread reads (and prepares)
+    m + 1 and m + 2 meanwhile. Use as a context manager (or call `close`): the thread stops on exit,
+    on errors and on SIGTERM's SystemExit alike."""
 
     DEPTH = 2
 
     def __init__(self, images, *, batch_size: int, world: int, rank: int, seed: int,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, prepare=None):
+        self.prepare = prepare
         self.n, self.batch_size, self.world, self.rank, self.seed = len(images), batch_size, world, rank, seed
         self.batches_per_epoch = (self.n // world) // batch_size
         if self.batches_per_epoch == 0:
@@ -106,12 +112,12 @@ class TrainBatches:
             self._order = (epoch, epoch_order(self.n, self.world, self.rank, self.seed, epoch))
         return self._order[1][pos * self.batch_size:(pos + 1) * self.batch_size]
 
-    def read(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Microbatch `micro`, read now in the calling thread."""
+    def read(self, micro: int):
+        """Microbatch `micro`, read (and prepared) now in the calling thread."""
         idx = self.indices(micro)
         rows = torch.empty((len(idx), *self.reader.row_shape), dtype=torch.uint8, pin_memory=self.pin)
         self.reader.gather(idx.numpy(), rows.numpy())
-        return idx, rows
+        return (idx, rows) if self.prepare is None else self.prepare(micro, idx, rows)
 
     def get(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._thread is None or self._next != micro:  # first call, or a jump: read ahead from here
@@ -214,55 +220,93 @@ def example_draws(seeds: list[int], shape, low_res_shape=None) -> tuple[torch.Te
 
 
 @dataclass
-class Microbatch:
-    """What one forward/backward pass trains on: images (B, C, H, W) in [-1, 1], labels (the null
-    class where dropped), timesteps with their importance weights, noise, and the model's extra
-    inputs (an upsampler's low-resolution image and its augmentation level)."""
+class Draws:
+    """A microbatch's examples with their own draws, everything that does not depend on the training's
+    state (made on the read-ahead thread): uint8 images (B, C, H, W) and which to flip, labels (the
+    null class where dropped), the uniforms behind the timesteps, noise, and an upsampler's inputs.
+    In pinned memory when training on a GPU, so the copies to the device do not wait for the host."""
 
-    x0: torch.Tensor
+    rows: torch.Tensor
+    flip: torch.Tensor | None
+    y: torch.Tensor
+    u_t: torch.Tensor
+    noise: torch.Tensor
+    cond: dict
+
+
+@dataclass
+class Microbatch:
+    """What one forward/backward pass trains on, on the host until `to(device)`: uint8 images
+    (B, C, H, W) and which to flip, labels (the null class where dropped), timesteps with their
+    importance weights, noise, and the model's extra inputs (an upsampler's low-resolution image and
+    its augmentation level). `x0`, the images in [-1, 1], is made on the device by `to`."""
+
+    rows: torch.Tensor
+    flip: torch.Tensor | None
     y: torch.Tensor
     t: torch.Tensor
     weights: torch.Tensor
     noise: torch.Tensor
     cond: dict
+    x0: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "Microbatch":
-        tensors = {"x0": self.x0, "y": self.y, "t": self.t, "weights": self.weights, "noise": self.noise, **self.cond}
-        if device.type == "cuda":  # pinned host memory: the copies do not block the host
-            tensors = {k: v.pin_memory() for k, v in tensors.items()}
+        """On `device`, `x0` made there from the uint8 rows (the same float32 values as on the host)."""
+        tensors = {"rows": self.rows, "y": self.y, "t": self.t, "weights": self.weights, "noise": self.noise,
+                   **({"flip": self.flip} if self.flip is not None else {}), **self.cond}
+        if device.type == "cuda":  # pinned host memory: the copies do not block the host (most are pinned already)
+            tensors = {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
         moved = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
-        return Microbatch(*(moved.pop(k) for k in ("x0", "y", "t", "weights", "noise")), cond=moved)
+        rows, flip = moved.pop("rows"), moved.pop("flip", None)
+        return Microbatch(rows, flip, *(moved.pop(k) for k in ("y", "t", "weights", "noise")), cond=moved,
+                          x0=images_in_model_range(rows, flip))
+
+
+def images_in_model_range(rows: torch.Tensor, flip: torch.Tensor | None) -> torch.Tensor:
+    """uint8 images (B, C, H, W) as floats in [-1, 1], those of `flip` (B,) mirrored left to right."""
+    x0 = to_model_range(rows)
+    return x0 if flip is None else torch.where(flip[:, None, None, None], x0.flip(-1), x0)
 
 
 class TrainExamples:
-    """`microbatch(m, sampler)`: this rank's examples of global microbatch m with their own draws.
+    """This rank's examples of global microbatch m with their own draws: `draws(m, indices, images)`
+    (everything independent of the training's state: `TrainBatches` calls it on its read-ahead thread),
+    then `microbatch(draws, sampler)`, the timesteps drawn from the sampler as it stands.
 
     Rank r holds the examples r, r + W, r + 2W, ... of the global batch (DistributedSampler's
     order), and example i of the global batch draws from `step_seed(seed, m, i, 1)`.
     """
 
-    def __init__(self, batches: TrainBatches, labels: torch.Tensor, *, seed: int, rank: int, world: int,
-                 num_classes: int, label_dropout: float, hflip: bool, superres):
-        self.batches, self.labels, self.seed, self.rank, self.world = batches, labels, seed, rank, world
+    def __init__(self, labels: torch.Tensor, *, seed: int, rank: int, world: int, num_classes: int,
+                 label_dropout: float, hflip: bool, superres, pin: bool = False):
+        self.labels, self.seed, self.rank, self.world = labels, seed, rank, world
         self.num_classes, self.label_dropout, self.hflip, self.superres = num_classes, label_dropout, hflip, superres
+        self.pin = pin
 
-    def microbatch(self, global_micro: int, sampler) -> Microbatch:
-        idx, rows = self.batches.get(global_micro)
-        x0 = to_model_range(rows)  # (B, C, H, W) in [-1, 1]
+    def draws(self, global_micro: int, idx: torch.Tensor, rows: torch.Tensor) -> Draws:
         seeds = [step_seed(self.seed, global_micro, self.rank + self.world * i, 1) for i in range(len(idx))]
         sr = self.superres
-        low_shape = (x0.shape[1], sr.low_res, sr.low_res) if sr.low_res else None
-        u, noise, *aug = example_draws(seeds, x0.shape[1:], low_shape)
-        if self.hflip:
-            x0 = torch.where((u[:, 1] < 0.5)[:, None, None, None], x0.flip(-1), x0)
+        low_shape = (rows.shape[1], sr.low_res, sr.low_res) if sr.low_res else None
+        u, noise, *aug = example_draws(seeds, rows.shape[1:], low_shape)
+        flip = u[:, 1] < 0.5 if self.hflip else None
         y = self.labels[idx]
         # Classifier-free guidance: replace some labels by the null class.
         y = torch.where(u[:, 0] < self.label_dropout, torch.full_like(y, self.num_classes), y)
-        t, weights = sampler.sample_from_uniform(u[:, 2])
         cond = {}
         if sr.low_res:  # the upsampler's input: this image downsampled (as sampling sees it), then noised
-            cond["low_res"] = low_res_input(x0, sr.low_res, sr.quantise)
+            cond["low_res"] = low_res_input(images_in_model_range(rows, flip), sr.low_res, sr.quantise)
             if sr.noise_aug:
                 level = (aug[0] * sr.noise_aug).float()
                 cond = {"low_res": augment(cond["low_res"], level, aug[1]), "aug_level": level}
-        return Microbatch(x0, y, t, weights, noise, cond)
+        if self.pin:  # pinned here, off the main thread (rows come pinned from the reader)
+            y, noise, flip = y.pin_memory(), noise.pin_memory(), flip.pin_memory() if flip is not None else None
+            cond = {k: v.pin_memory() for k, v in cond.items()}
+        return Draws(rows, flip, y, u[:, 2].contiguous(), noise, cond)
+
+    def microbatch(self, draws: Draws, sampler) -> Microbatch:
+        """The microbatch of `draws` with its timesteps and importance weights from `sampler` as it is
+        now (after the previous step's update)."""
+        t, weights = sampler.sample_from_uniform(draws.u_t)
+        if self.pin:
+            t, weights = t.pin_memory(), weights.pin_memory()
+        return Microbatch(draws.rows, draws.flip, draws.y, t, weights, draws.noise, draws.cond)

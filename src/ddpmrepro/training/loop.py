@@ -207,13 +207,14 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         compiler(raw_model, eager_inside=introspection.hooked_modules)  # after the EMA copies; hooked blocks stay eager
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else raw_model
 
-        # Data order: a per-epoch permutation of (seed, epoch) sharded over ranks (DistributedSampler's),
-        # rows read ahead in a background thread; each example's draws from its own seed.
-        batches = TrainBatches(data.train_images, batch_size=p.batch_per_proc, world=world, rank=rank, seed=p.seed,
-                               device=device)
-        examples = TrainExamples(batches, labels, seed=p.seed, rank=rank, world=world, num_classes=num_classes,
+        # Data order: a per-epoch permutation of (seed, epoch) sharded over ranks (DistributedSampler's);
+        # each example's draws from its own seed. Both made ahead on a background thread, off the
+        # step's critical path; only the timesteps wait for the sampler's last update.
+        examples = TrainExamples(labels, seed=p.seed, rank=rank, world=world, num_classes=num_classes,
                                  label_dropout=p.label_dropout, hflip=bool(manifest.get("hflip_ok", False)),
-                                 superres=sr)
+                                 superres=sr, pin=device.type == "cuda")
+        batches = TrainBatches(data.train_images, batch_size=p.batch_per_proc, world=world, rank=rank, seed=p.seed,
+                               device=device, prepare=examples.draws)
         train_log = TrainLog(ckpt_dir / "live", start_step=start_step, total_steps=p.steps, main=main,
                              images_per_step=p.batch_per_proc * p.grad_accum * world)
         saved_step = start_step
@@ -231,7 +232,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Accumulate gradients over microbatches; only the last one all-reduces.
                 for micro in range(p.grad_accum):
                     sampler_updates.flush()
-                    mb = examples.microbatch(step * p.grad_accum + micro, sampler).to(device)
+                    mb = examples.microbatch(batches.get(step * p.grad_accum + micro), sampler).to(device)
                     model_fn = _autocast_model_fn(model, mb.y if params.model.class_cond else None, mb.cond,
                                                   device, autocast_dtype)
                     sync = contextlib.nullcontext() if (micro == p.grad_accum - 1 or world == 1) else model.no_sync()
