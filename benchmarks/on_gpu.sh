@@ -8,7 +8,8 @@
 #     bash benchmarks/on_gpu.sh [OUT]
 #     PARTS="train-step growth" bash benchmarks/on_gpu.sh [OUT]     # only these parts
 #
-# Sized to finish in about 9 minutes on one H100/H200 (torch.compile's cold start included).
+# Sized to finish in about 9 minutes on one H100/H200 (torch.compile's cold start included); the mfu
+# part (added after the last GPU session, not yet run on a card) is limited to 150 s of it.
 # PYTHON picks the interpreter (default python3), e.g. PYTHON=.venv/bin/python after `make setup`.
 set -u
 OUT=${1:-benchmarks/results/gpu}
@@ -16,7 +17,7 @@ mkdir -p "$OUT"
 LOG=$OUT/on_gpu.log
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-PARTS=${PARTS:-environment cuda-tests host-profile train-step sample-speed growth}
+PARTS=${PARTS:-environment cuda-tests host-profile train-step sample-speed growth mfu}
 part() {  # part SECONDS NAME COMMAND...: runs COMMAND under a time limit, logs it, never stops the script
     local limit=$1 name=$2; shift 2
     [[ " $PARTS " == *" $name "* ]] || return 0
@@ -38,3 +39,7 @@ part 120 sample-speed $PY benchmarks/sample_speed.py "${common[@]}" --compile --
     --out "$OUT/sample_speed-ddim50.json"
 part 60 growth $PY benchmarks/growth.py --device cuda --batch 128 --precision bf16 --peak-tflops 989 --rounds 6 \
     --out "$OUT/growth-bf16.json"
+# The card used: the step's FLOPs (FlopCounterMode) over its time over this card's bf16 GEMM rate, measured
+# in the same run, at batch 128 and 512, for both paper presets (the datasheet's 989 TFLOP/s beside it).
+part 150 mfu $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm-cifar10,iddpm-cifar10 \
+    --batches 128,512 --steps 10 --rounds 6 --peak-tflops 989 --out "$OUT/mfu-bf16.json"

@@ -338,3 +338,69 @@ def test_data_scale_benchmark_measures_every_stage_and_writes_its_json(tmp_path)
     assert s["dvc"]["link_counts"] == [3]  # the benchmark's copy, the repo's workspace and DVC's cache: one inode
     assert s["dvc"]["repo_bytes_on_disk"] < 1.5 * s["dvc"]["data_bytes"]
     assert not (tmp_path / "ds" / "prepared-300").exists() and (tmp_path / "ds" / "raw-300" / ".complete").exists()
+
+
+# --- benchmarks/mfu.py: the step's FLOPs, the GEMM rate, and their quotient ------------------------
+
+
+def test_step_flops_are_linear_in_the_batch_and_a_forward_and_two_backward_passes():
+    """FlopCounterMode over the real training loss: per-image FLOPs do not depend on the batch, and
+    for a network of convolutions and matmuls the backward pass does about twice the forward's work
+    (the gradients of inputs and of weights; the first convolution's input needs none)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import mfu
+    from ddpmrepro import params as P
+    from ddpmrepro.model.unet import build_unet
+
+    params = P.from_dict({"model": {"preset": "tiny"}})
+    two, nparams = mfu.step_flops(params, image_size=8, channels=1, batch=2)
+    assert mfu.step_flops(params, image_size=8, channels=1, batch=6)[0] == 3 * two
+    model = build_unet(params.model, image_size=8, in_channels=1, num_classes=10, learn_sigma=False)
+    assert nparams == sum(p.numel() for p in model.parameters())
+    with FlopCounterMode(display=False) as forward:
+        model(torch.randn(2, 1, 8, 8), torch.tensor([1, 2]), torch.tensor([0, 1]))
+    assert 2.5 < two / forward.get_total_flops() <= 3.0
+    # iddpm-cifar10's learned variance doubles the output channels: more FLOPs than without it
+    learned = P.from_dict({"model": {"preset": "tiny"}, "diffusion": mfu.preset_diffusion("iddpm-cifar10") |
+                           {"timesteps": 100}})
+    assert learned.diffusion.variance == "learned_range" and mfu.step_flops(learned, image_size=8, channels=1,
+                                                                            batch=2)[0] > two
+
+
+def test_matmul_rate_is_the_flops_of_its_repetitions_over_their_time():
+    import mfu
+
+    r = mfu.matmul_tflops("cpu", "fp32", n=128, seconds=0.05)
+    assert r["n"] == 128 and r["reps"] % 4 == 0 and r["seconds"] >= 0.05
+    assert r["tflops"] == pytest.approx(2 * 128 ** 3 * r["reps"] / r["seconds"] / 1e12)
+
+
+@pytest.mark.slow
+def test_mfu_benchmark_divides_each_rows_flops_rate_by_the_gemm_rate_of_the_same_run(tmp_path):
+    out = tmp_path / "mfu.json"
+    run("mfu.py", "--presets", "tiny", "--image-size", "8", "--channels", "1", "--batches", "4,8", "--steps", "1",
+        "--rounds", "2", "--threads", "1", "--peak-tflops", "1", "--out", str(out))
+    r = json.loads(out.read_text())
+    check_paired(r["timing"], {"tiny/b4", "tiny/b8"}, 2, "tiny/b4", threads=1)
+    rate = r["gemm"]["tflops"]
+    assert rate == pytest.approx((r["gemm"]["before"]["tflops"] + r["gemm"]["after"]["tflops"]) / 2)
+    small, big = r["rows"]
+    assert big["gflops_per_step"] == pytest.approx(2 * small["gflops_per_step"])
+    for row in r["rows"]:
+        assert row["step_seconds"] == pytest.approx(r["timing"]["wall_s"][f"tiny/b{row['batch']}"]["median"])
+        assert row["mfu_vs_gemm"] == pytest.approx(row["gflops_per_step"] / 1e3 / row["step_seconds"] / rate)
+        assert row["mfu_vs_peak"] == pytest.approx(row["gflops_per_step"] / 1e3 / row["step_seconds"])
+        low, high = row["mfu_vs_gemm_range"]
+        assert low <= row["mfu_vs_gemm"] <= high
+
+
+def test_main_thread_benchmark_times_the_microbatch_of_the_code_on_the_path(tmp_path):
+    out = tmp_path / "main_thread.json"
+    run("main_thread.py", "--microbatches", "2", "--rounds", "2", "--step-ms", "1", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["draws_on_reader_thread"] is True and r["code"] == str(ROOT / "src" / "ddpmrepro")
+    for shape in ("1x8x8", "3x32x32"):
+        s = r["shapes"][shape]
+        assert len(s["per_round_ms"]) == 2 and s["min_ms"] <= s["median_ms"] <= s["max_ms"] and s["min_ms"] > 0
