@@ -7,6 +7,7 @@ importance sampler's composition as an exact sum over t; `none` bitwise against 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -206,7 +207,7 @@ BAD = [
     ({"loss_weighting": "min_snr", "p2_k": 1}, "diffusion.p2_k: only read with loss_weighting: p2"),
     ({"p2_gamma": 1}, "diffusion.p2_gamma: only read with loss_weighting: p2 (it is none)"),
     ({"loss_weighting": "p2", "loss": "kl", "variance": "learned_range"}, "diffusion.loss_weighting: 'p2' weights"),
-    ({"loss_weighting": "snr"}, "diffusion.loss_weighting: 'snr' is not one of none | min_snr | p2"),
+    ({"loss_weighting": "snr"}, "diffusion.loss_weighting: 'snr' is not one of none | min_snr | p2 | learned"),
 ]
 
 
@@ -242,7 +243,8 @@ def prepared(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("diffusion", [
     {"loss_weighting": "min_snr"},
     {"loss_weighting": "p2", "p2_gamma": 0.5, "prediction": "x0", "variance": "learned_range", "loss": "hybrid"},
-], ids=["min_snr", "p2-x0-hybrid"])
+    {"loss_weighting": "learned", "variance": "learned_range", "loss": "hybrid"},
+], ids=["min_snr", "p2-x0-hybrid", "learned-hybrid"])
 def test_a_short_train_with_a_weighting_runs_with_a_finite_loss(tmp_path, prepared, one_thread, diffusion):
     from test_train import SMALL, train_cmd
 
@@ -256,8 +258,152 @@ def test_a_short_train_with_a_weighting_runs_with_a_finite_loss(tmp_path, prepar
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     resolved = config["params"]["diffusion"]
     assert resolved["loss_weighting"] == diffusion["loss_weighting"]
-    assert resolved["min_snr_gamma" if diffusion["loss_weighting"] == "min_snr" else "p2_k"] is not None
+    if diffusion["loss_weighting"] != "learned":
+        assert resolved["min_snr_gamma" if diffusion["loss_weighting"] == "min_snr" else "p2_k"] is not None
+    else:  # u(t) exported beside the weights, and its table in the introspection output at every log step
+        import pandas as pd
+        from ddpmrepro.files import load_weights
+
+        exported = load_weights(tmp_path / "model" / "loss_weight.safetensors")
+        assert exported["u"].shape == (10,) and exported["u"].abs().max() > 0  # it moved from 0
+        table = pd.read_parquet(tmp_path / "introspect" / "loss_weight")
+        assert sorted(table["step"].unique()) == [2, 4] and len(table) == 2 * 10
+        last = table[table["step"] == 4].sort_values("t")
+        np.testing.assert_allclose(last["u"], exported["u"].double().numpy(), rtol=0, atol=1e-7)
     final = config["final"]
     assert np.isfinite(final["loss"]) and final["loss"] > 0
     if diffusion["loss_weighting"] == "min_snr":  # eps: w_t = min(1, 5 / SNR_t) < 1 at the first steps of T=10
         assert final["loss"] < final["mse"]
+
+
+# --- learned (EDM2): training/learned_weighting.py -------------------------------------------------------
+
+
+def test_the_learned_weighting_converges_to_the_log_of_each_levels_mean_loss():
+    """min_u E[L_t e^{-u} + u] is at u* = log E[L_t] (the derivative -E[L_t] e^{-u} + 1 vanishes there).
+
+    Synthetic losses with known per-level mean s_t, smooth in log-SNR as real ones are:
+    L_{t,i} = s_t g_{t,i}, g ~ chi2_k / k (mean 1, variance 2/k), N fixed draws per level. Over this
+    sample the objective is mean_t (m_t e^{-u_t} + u_t), m_t the level's sample mean (it is linear
+    in L, so the means stand for the draws exactly), convex in the layer's weights since u is
+    linear in them: Adam reaches its one minimiser, where every gradient vanishes (checked). Its
+    distance to log s_t has two parts: the sample's, |log m_t - log s_t| ~ |m_t/s_t - 1| of standard
+    deviation sqrt(2/(kN)) (= 0.0129 for k = 3, N = 4000; under 4 of them, 0.052, at all 20 levels
+    but with probability ~1e-3, and the seed is fixed; checked), which the smooth family filters
+    rather than adds; and the family's, how far 128 Fourier features miss the smooth log s_t, given
+    0.01. So |u_t - log s_t| < 0.052 + 0.01 (it is 0.019 here).
+    """
+    from ddpmrepro.training.learned_weighting import LearnedLossWeight
+
+    torch.manual_seed(0)
+    steps, k, n = 20, 3, 4000
+    ac = np.cumprod(1.0 - D.get_beta_schedule("cosine", steps))
+    lam = np.log(ac / (1 - ac))
+    s = torch.tensor(0.05 + 1.0 / (1.0 + np.exp(lam)), dtype=torch.float32)  # x0-like: 0.05..1.05
+    losses = s[:, None] * torch.distributions.Chi2(torch.tensor(float(k))).sample((steps, n)) / k  # (T, N)
+    m = losses.double().mean(1).float()
+    sd = (2 / (k * n)) ** 0.5
+    assert (m.double().log() - s.double().log()).abs().max() < 4 * sd  # the sample is as the derivation says
+
+    weight = LearnedLossWeight(ac, seed=0)
+    t, zero = torch.arange(steps), torch.zeros(steps)
+    assert torch.equal(weight(t), zero)  # at initialisation u = 0: the objective is the unweighted loss
+
+    def objective():
+        out = weight.weigh({"loss": m, "mse": m, "vb": zero}, t)
+        return (out["loss"] + out["u"]).mean()
+
+    opt = torch.optim.Adam(weight.parameters(), lr=0.1)
+    for i in range(1000):
+        opt.param_groups[0]["lr"] = 0.1 * (1 - i / 1000)
+        opt.zero_grad()
+        objective().backward()
+        opt.step()
+    opt.zero_grad()
+    objective().backward()
+    assert max(p.grad.abs().max() for p in weight.parameters()) < 1e-4  # at the family's minimiser
+    u = weight.curve().double()
+    assert (u - s.double().log()).abs().max() < 4 * sd + 0.01, (u - s.double().log()).abs().max()
+    # The bias's zero gradient: the weighted terms m_t e^{-u_t} average exactly 1 over the levels.
+    assert (m.double() * torch.exp(-u)).mean().item() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_the_learned_weighting_divides_the_mse_term_only_and_starts_at_the_unweighted_loss():
+    from ddpmrepro.training.learned_weighting import LearnedLossWeight
+
+    diff = make("cosine", steps=10, variance="learned_range", loss="hybrid")
+    weight = LearnedLossWeight(diff.alphas_cumprod.numpy(), seed=3)
+    torch.manual_seed(0)
+    x0, t = torch.rand(6, 3, 8, 8) * 2 - 1, torch.randint(0, 10, (6,))
+    out = torch.randn(6, 6, 8, 8, requires_grad=True)
+    losses = diff.training_losses(lambda x, t_: out, x0, t)
+    w = weight.weigh(losses, t)
+    assert torch.equal(w["loss"] + w["u"], losses["mse"] * 1.0 + losses["vb"])  # u = 0: the hybrid loss itself
+    with torch.no_grad():
+        weight.bias.fill_(math.log(4.0))
+    w = weight.weigh(losses, t)
+    torch.testing.assert_close(w["loss"], losses["mse"] / 4 + losses["vb"])  # vb is not divided
+    torch.testing.assert_close(w["u"], torch.full((6,), math.log(4.0)))
+    # The frequencies come from the seed alone (not the global RNG), and a table of them is exported.
+    again = LearnedLossWeight(diff.alphas_cumprod.numpy(), seed=3)
+    assert torch.equal(again.freqs, weight.freqs) and not torch.equal(LearnedLossWeight(
+        diff.alphas_cumprod.numpy(), seed=4).freqs, weight.freqs)
+    assert set(weight.export()) == {"weight", "bias", "freqs", "phases", "logsnr", "u"}
+
+
+@pytest.mark.parametrize("diffusion, message", [
+    ({"loss_weighting": "learned", "loss": "kl", "variance": "learned_range"},
+     "diffusion.loss_weighting: 'learned' weights the MSE term, which loss 'kl' has not"),
+    ({"loss_weighting": "learned", "min_snr_gamma": 5}, "diffusion.min_snr_gamma: only read with loss_weighting: min_snr"),
+    ({"loss_weighting": "learned", "p2_k": 1}, "diffusion.p2_k: only read with loss_weighting: p2 (it is learned)"),
+    ({"loss_weighting": "Learned"}, "diffusion.loss_weighting: 'Learned' is not one of none | min_snr | p2 | learned"),
+])
+def test_check_params_refuses_bad_learned_weightings_with_one_line_and_writes_nothing(tmp_path, diffusion, message):
+    from test_check_params import check
+
+    proc = check(tmp_path, yaml.safe_dump({"diffusion": diffusion}))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(f"Error: params.yaml: {message}")
+    assert not (tmp_path / "resolved").exists()
+
+
+@pytest.mark.slow
+def test_the_learned_weighting_resumes_bitwise_and_is_averaged_over_ranks(tmp_path, prepared):
+    """2 processes: SIGKILLed after the step-4 checkpoint and resumed == uninterrupted, bit for bit
+    (u's weights and AdamW state in the checkpoint, the exported model directory); and u after 8
+    steps is that of 1 process with the double batch (its gradient all-reduced as DDP does the
+    model's; float tolerance, as test_train's 2 x B = 1 x 2B)."""
+    from ddpmrepro.files import load_weights
+    from ddpmrepro.training.checkpoint import latest_checkpoint, load_checkpoint
+    from test_train import assert_same, final_state, kill_after_checkpoint, run_train, write_params
+
+    learned = {"loss_weighting": "learned", "variance": "learned_range", "loss": "hybrid", "timesteps": 10}
+    two = write_params(tmp_path / "two.yaml", diffusion=learned, train={"nproc": 2, "batch_per_proc": 8})
+    one = write_params(tmp_path / "one.yaml", diffusion=learned, train={"nproc": 1, "batch_per_proc": 16})
+    run_train(tmp_path / "straight", prepared, two, 2)
+    kill_after_checkpoint(tmp_path / "resumed", prepared, two, 2, step=4)
+    run_train(tmp_path / "resumed", prepared, two, 2)
+    run_train(tmp_path / "one", prepared, one, 1)
+
+    def state(run):
+        (ckpt_dir,) = (run / "ckpt").glob("*/*")
+        return load_checkpoint(latest_checkpoint(ckpt_dir))
+
+    a, b = state(tmp_path / "straight"), state(tmp_path / "resumed")
+    assert a["step"] == b["step"] == 8
+    for k, v in a["loss_weight"].items():
+        assert torch.equal(v, b["loss_weight"][k]), k
+    groups = a["optimizer"]["param_groups"]
+    assert len(groups) == 2 and groups[1]["weight_decay"] == 0.0  # u's own group, no decay
+    for i in groups[1]["params"]:
+        for k, v in a["optimizer"]["state"][i].items():
+            assert torch.equal(v, b["optimizer"]["state"][i][k]), (i, k)
+    assert_same(final_state(tmp_path / "straight"), final_state(tmp_path / "resumed"), exact=True)
+
+    def files(model):
+        return {f.relative_to(model).as_posix(): f.read_bytes() for f in sorted(model.rglob("*")) if f.is_file()}
+    assert files(tmp_path / "straight" / "model") == files(tmp_path / "resumed" / "model")
+    u2 = load_weights(tmp_path / "straight" / "model" / "loss_weight.safetensors")["u"]
+    u1 = load_weights(tmp_path / "one" / "model" / "loss_weight.safetensors")["u"]
+    assert u1.abs().max() > 1e-3  # it moved
+    torch.testing.assert_close(u2, u1, rtol=1e-3, atol=5e-4)

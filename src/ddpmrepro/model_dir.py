@@ -7,6 +7,8 @@
                                average of one length after some step, `step_<N>-sigma_<length>.safetensors`
                                with metadata naming its length, step, update count and run; from them
                                `sample.ema_length` makes the average of another length (`reconstruct`)
+    loss_weight.safetensors    the learned loss weighting u(t) (`diffusion.loss_weighting: learned`): its
+                               state and the curve `u` over t; read by the report, never by sampling
     config.json                `params` (resolved), `data` (`DATA_KEYS` of the manifest it was made
                                for), `ema_rates`, `torch`, and what made it: train adds the data's
                                sha256, the code version, the run hash and the last logged values;
@@ -34,6 +36,7 @@ from .params import Params, ParamsError, check_ema_step, from_dict, snapshot_ste
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+LOSS_WEIGHT_FILE = "loss_weight.safetensors"  # diffusion.loss_weighting: learned (training/learned_weighting.py)
 PHEMA_DIR = "phema"
 SNAPSHOT = re.compile(r"^step_(\d{9})-sigma_(.+)\.safetensors$")
 SNAPSHOT_FORMAT = "ddpmrepro-phema-1"
@@ -55,7 +58,8 @@ def data_section(manifest: dict) -> dict:
 
 
 def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None,
-                emas: dict[float, dict[str, torch.Tensor]], snapshots: Path | None = None) -> None:
+                emas: dict[float, dict[str, torch.Tensor]], snapshots: Path | None = None,
+                loss_weight: dict[str, torch.Tensor] | None = None) -> None:
     """Writes the model directory `out` whole: it holds the old directory or all of the new one.
 
     :param config: config.json's content, written as `json.dumps(config, indent=2)`; its
@@ -65,6 +69,8 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
     :param emas: rate -> EMA weights.
     :param snapshots: a directory of post-hoc EMA snapshots to copy into `phema/` (its snapshot files
         only: a killed writer's temp file stays behind).
+    :param loss_weight: the learned loss weighting's tensors (LOSS_WEIGHT_FILE), where trained with
+        `diffusion.loss_weighting: learned`; never read by sampling.
     """
     missing = [k for k in ("params", "data", "ema_rates") if k not in config]
     if missing or list(config["ema_rates"]) != list(emas) or weights is None and not emas:
@@ -75,6 +81,8 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
             files.save_weights(weights, tmp / MODEL_FILE)
         for rate, ema in emas.items():
             files.save_weights(ema, tmp / weights_file(rate))
+        if loss_weight is not None:
+            files.save_weights(loss_weight, tmp / LOSS_WEIGHT_FILE)
         names = sorted(f.name for f in snapshots.iterdir() if SNAPSHOT.match(f.name)) if snapshots else []
         if names:
             (tmp / PHEMA_DIR).mkdir()
@@ -232,7 +240,7 @@ def reconstruct(directory: Path, length: float, train, *, run_hash: str, at_step
     return {k: v.float() for k, v in total.items()}
 
 
-__all__ = ["MODEL_FILE", "CONFIG_FILE", "PHEMA_DIR", "SNAPSHOT", "SNAPSHOT_FORMAT", "MAX_FIT_ERROR",
+__all__ = ["MODEL_FILE", "CONFIG_FILE", "LOSS_WEIGHT_FILE", "PHEMA_DIR", "SNAPSHOT", "SNAPSHOT_FORMAT", "MAX_FIT_ERROR",
            "snapshot_file", "snapshot_metadata", "snapshot_steps", "check_ema_step", "Snapshot", "list_snapshots", "check_snapshots",
            "reconstruct", "DATA_KEYS", "weights_file", "data_section", "write_model", "read_config",
            "build_model", "load_model"]

@@ -149,11 +149,13 @@ class DiffusionParams:
                            "learned interpolation between them (doubles the output channels).")
     loss: str = _f("mse", choices=("mse", "hybrid", "kl"), doc="`mse` (DDPM's simple loss), `hybrid` (mse + "
                                                                 "VLB x T/1000, IDDPM) or `kl` (the VLB alone).")
-    loss_weighting: str = _f("none", choices=("none", "min_snr", "p2"),
+    loss_weighting: str = _f("none", choices=("none", "min_snr", "p2", "learned"),
                              doc="Per-timestep weight of the MSE term (docs/TRAINING.md, Loss weighting): `none` "
                                  "(L_simple), `min_snr` (Hang et al. 2023) or `p2` (Choi et al. 2022), each in its "
-                                 "form for `prediction`. The VLB term of `hybrid` (or of a learned variance) stays "
-                                 "unweighted; not with `loss: kl`.")
+                                 "form for `prediction`, or `learned` (EDM2, Karras et al. 2024: mse / exp(u_t) + "
+                                 "u_t with u a learned function of log-SNR, trained with the model; "
+                                 "training/learned_weighting.py). The VLB term of `hybrid` (or of a learned "
+                                 "variance) stays unweighted; not with `loss: kl`.")
     # The three keys below are null unless their weighting is chosen: null there means the paper's value,
     # which load writes in (so the saved params, config.json and the run hash name the value used).
     min_snr_gamma: float | None = _f(None, min=0.0, min_exclusive=True,

@@ -75,8 +75,14 @@ NOISE_LEVELS_SCHEMA = pa.schema([     # training/noise_levels.py: one row per (s
     ("trace", pa.float64()),        # tr(Σ) of the bucket's per-example gradients, unbiased
     ("b_simple", pa.float64()),     # trace / g2; NaN when g2 <= 0 (the noise hides the bucket's signal)
 ])
+LOSS_WEIGHT_SCHEMA = pa.schema([      # training/learned_weighting.py: one row per (log step, t) on a grid of t
+    ("step", pa.int64()),
+    ("t", pa.int64()),              # the timestep (index of the trained process)
+    ("logsnr", pa.float64()),       # log(alpha_bar_t / (1 - alpha_bar_t))
+    ("u", pa.float64()),            # the learned log of the level's typical MSE: the loss is mse / exp(u) + u
+])
 SCHEMAS = {"param_grads": PARAM_GRADS_SCHEMA, "steps": STEPS_SCHEMA, "act_grads": ACT_GRADS_SCHEMA,
-           "noise_levels": NOISE_LEVELS_SCHEMA}
+           "noise_levels": NOISE_LEVELS_SCHEMA, "loss_weight": LOSS_WEIGHT_SCHEMA}
 TSV_COLUMNS = ("step", "total_grad_norm", "clip_threshold", "clipped", "skipped", "loss_scale", "lr", "gns_g2",
                "gns_trace")
 
@@ -89,7 +95,7 @@ _PART = re.compile(r"part-(\d{9})-(\d{9})\.parquet")
 class TableWriter:
     """Fixed-schema parquet tables under `out_dir`, one directory per table, one file per chunk.
 
-    Layout: `param_grads/`, `steps/`, `act_grads/`, `noise_levels/` hold `part-<first step>-<last step>.parquet`
+    Layout: `param_grads/`, `steps/`, `act_grads/`, `noise_levels/`, `loss_weight/` hold `part-<first step>-<last step>.parquet`
     (read a whole table with `pandas.read_parquet(out_dir / "param_grads")`); `steps.tsv` is the
     per-step summary for `dvc plots`; `dumps/step-<step>.safetensors` the full-gradient dumps.
     Construct it on rank 0 only. Steps count completed updates (1 = the first). `start_step` is
@@ -156,12 +162,12 @@ class TableWriter:
 
     def add(self, step: int, *, params: list[dict] | None = None, summary: dict | None = None,
             activations: list[dict] | None = None, noise_levels: list[dict] | None = None,
-            dumps: dict[str, "torch.Tensor"] | None = None, dump_metadata: dict[str, str] | None = None) -> None:
+            loss_weight: list[dict] | None = None, dumps: dict[str, "torch.Tensor"] | None = None, dump_metadata: dict[str, str] | None = None) -> None:
         """Buffers one step's rows; flushes when `flush_every` steps have passed since the last flush
         or `max_rows` rows are buffered."""
         self._last_step = max(self._last_step, step)
         for table, rows in (("param_grads", params), ("act_grads", activations), ("steps", [summary] if summary else None),
-                            ("noise_levels", noise_levels)):
+                            ("noise_levels", noise_levels), ("loss_weight", loss_weight)):
             if rows:
                 self._buf[table].append(pa.Table.from_pylist(rows, schema=SCHEMAS[table]))
                 self._rows += len(rows)

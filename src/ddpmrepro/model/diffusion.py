@@ -612,7 +612,8 @@ def from_params(diffusion_params, respacing: str = "") -> GaussianDiffusion:
     weighting = {k: v for k in ("min_snr_gamma", "p2_k", "p2_gamma") if (v := getattr(p, k)) is not None}
     return GaussianDiffusion(betas, p.prediction, p.variance, p.loss, timestep_map=kept,
                              rescale_timesteps=getattr(p, "rescale_timesteps", False), original_num_steps=p.timesteps,
-                             loss_weighting=p.loss_weighting, **weighting)
+                             # `learned` is applied by the training loop (training/learned_weighting.py): here w_t = 1.
+                             loss_weighting="none" if p.loss_weighting == "learned" else p.loss_weighting, **weighting)
 
 
 __all__ = [

@@ -1,12 +1,21 @@
-"""Timestep samplers: uniform, and IDDPM's loss-second-moment importance sampler.
+"""Timestep samplers: uniform, IDDPM's loss-second-moment importance sampler, and one from the
+gradients themselves.
 
 A sampler draws `t` with probabilities `p_t` and returns the weights `1 / (T p_t)` that make
-the weighted loss an unbiased estimate of the uniform-t loss: E_p[w_t L_t] = mean_t L_t.
+the weighted loss an unbiased estimate of the uniform-t loss: E_p[w_t L_t] = mean_t L_t, and
+the weighted gradient one of the uniform-t gradient.
 The importance sampler keeps the last `history` losses of every timestep, stays uniform
 until every timestep has a full history, then uses p_t ∝ sqrt(E[L_t^2]) mixed with a small
 uniform share (Nichol & Dhariwal 2021, Sec. 3.3). Under DDP the losses of all ranks are
 all-gathered before `update`, so every rank holds the identical history and draws with the
 same weights.
+
+E[L_t^2] stands in for what the variance of the gradient estimate depends on: an unbiased
+estimate w_t ∇L_t(x) with t ~ p has second moment sum_t E‖∇L_t‖² / (T² p_t), least for
+p_t ∝ sqrt(E_x‖∇θ L_t(x)‖²) (the Cauchy-Schwarz bound; Alain et al. 2015 for examples,
+here for noise levels). `GradNormSampler` draws with that, per noise-level bucket: the
+introspection's buckets (`noise_levels.py`) measure, on its steps, each bucket's mean gradient
+and its covariance's trace from two halves, whose sum is the bucket's E‖w ∇L‖² (`update_levels`).
 """
 from __future__ import annotations
 
@@ -18,6 +27,8 @@ import torch.distributed as dist
 
 
 class UniformSampler:
+    learns_from_losses = False  # whether `update(t, losses)` changes anything (DeferredUpdates gathers only then)
+
     def __init__(self, num_timesteps: int):
         self.num_timesteps = num_timesteps
 
@@ -52,6 +63,8 @@ class UniformSampler:
 
 
 class LossSecondMomentSampler(UniformSampler):
+    learns_from_losses = True
+
     def __init__(self, num_timesteps: int, history: int = 10, uniform_prob: float = 0.001):
         super().__init__(num_timesteps)
         self.history = history
@@ -103,6 +116,67 @@ class LossSecondMomentSampler(UniformSampler):
         self.loss_counts = state["loss_counts"].numpy().astype(np.int64).copy()
 
 
+class GradNormSampler(UniformSampler):
+    """p_t ∝ sqrt(E‖∇θ L_t‖²), one value per noise-level bucket (uniform over the bucket's t),
+    mixed with a small uniform share; uniform until every bucket has an estimate.
+
+    `update_levels(rows)` takes the bucket rows of a measured step (`NoiseLevelGradients.finish`:
+    `g2` = |E g|² and `trace` = tr(Σ) of the bucket's per-example gradients g = w ∇L, the
+    importance weight w included). Their sum is E‖g‖²; the weights the step drew with are those
+    of `weights()` until this update, constant over a bucket, so E‖∇L‖² = E‖g‖² / w_b². Each
+    bucket keeps an exponential average over measured steps (half-life `halflife` of them, bias-
+    corrected as Adam's moments). A non-positive or non-finite estimate (too few examples: the
+    two-halves estimate is unbiased, not positive) leaves that bucket's average as it was. The rows
+    are those of the whole global batch, identical on every rank after the buckets' all-reduce,
+    so the ranks stay in step without a collective of their own. `update(t, losses)` learns
+    nothing: the sampler needs no losses."""
+
+    def __init__(self, bucket_of_t: np.ndarray, halflife: float = 10.0, uniform_prob: float = 0.001):
+        super().__init__(len(bucket_of_t))
+        self.bucket_of_t = np.asarray(bucket_of_t, dtype=np.int64)
+        self.count = int(self.bucket_of_t.max()) + 1
+        self.decay, self.uniform_prob = 0.5 ** (1.0 / halflife), uniform_prob
+        self.sums = np.zeros(self.count)     # averages' numerators: E‖∇L‖² per bucket
+        self.totals = np.zeros(self.count)   # their bias corrections (1 - decay^k)
+
+    def warmed_up(self) -> bool:
+        return bool((self.totals > 0).all())
+
+    def second_moments(self) -> np.ndarray:
+        """E‖∇θ L_t‖² per bucket (NaN where not measured yet)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.totals > 0, self.sums / self.totals, np.nan)
+
+    def weights(self) -> np.ndarray:
+        if not self.warmed_up():
+            return np.ones(self.num_timesteps, dtype=np.float64)
+        w = np.sqrt(self.second_moments())[self.bucket_of_t]
+        w /= w.sum()
+        w *= 1 - self.uniform_prob
+        w += self.uniform_prob / len(w)
+        return w
+
+    def update_levels(self, rows: list[dict]) -> None:
+        p = self.weights() / self.weights().sum()
+        for r in rows:
+            b = r["bucket"]
+            w_b = 1.0 / (self.num_timesteps * p[self.bucket_of_t == b][0])  # one weight per bucket
+            second = (r["g2"] + r["trace"]) / w_b ** 2
+            if not (math.isfinite(second) and second > 0):
+                continue
+            self.sums[b] = self.decay * self.sums[b] + (1 - self.decay) * second
+            self.totals[b] = self.decay * self.totals[b] + (1 - self.decay)
+
+    def state_dict(self) -> dict:
+        return {"sums": torch.from_numpy(self.sums.copy()), "totals": torch.from_numpy(self.totals.copy())}
+
+    def load_state_dict(self, state: dict) -> None:
+        sums, totals = state["sums"].numpy(), state["totals"].numpy()
+        if sums.shape != self.sums.shape or totals.shape != self.totals.shape:
+            raise ValueError(f"sampler state has {len(sums)} buckets, expected {self.count}")
+        self.sums, self.totals = sums.astype(np.float64).copy(), totals.astype(np.float64).copy()
+
+
 def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gathers (t, loss) from every rank, in global-batch order, on their device; identity
     without a group.
@@ -149,12 +223,12 @@ class PendingUpdate:
 
 class DeferredUpdates:
     """The sampler updates still on their way to the host, applied in order by `flush` (just before
-    the next draw, and before the sampler's state is saved). The uniform sampler learns nothing:
-    nothing is gathered or queued for it."""
+    the next draw, and before the sampler's state is saved). A sampler that learns nothing from the
+    losses (uniform, grad-norm) gets nothing gathered or queued."""
 
     def __init__(self, sampler: UniformSampler):
         self.sampler, self.pending = sampler, []
-        self.learns = type(sampler) is not UniformSampler
+        self.learns = sampler.learns_from_losses
 
     def add(self, t: torch.Tensor, losses: torch.Tensor) -> None:
         if self.learns:
@@ -165,9 +239,14 @@ class DeferredUpdates:
             self.pending.pop(0).apply_to(self.sampler)
 
 
-def create_sampler(name: str, num_timesteps: int) -> UniformSampler:
+def create_sampler(name: str, num_timesteps: int, bucket_of_t: np.ndarray | None = None) -> UniformSampler:
+    """`bucket_of_t`: the noise-level bucket of every t, which `grad-norm` estimates by."""
     if name == "uniform":
         return UniformSampler(num_timesteps)
     if name == "loss-second-moment":
         return LossSecondMomentSampler(num_timesteps)
+    if name == "grad-norm":
+        if bucket_of_t is None or len(bucket_of_t) != num_timesteps:
+            raise ValueError("the grad-norm sampler needs the noise-level buckets of every timestep")
+        return GradNormSampler(bucket_of_t)
     raise ValueError(f"unknown timestep sampler {name!r}")
