@@ -272,6 +272,12 @@ def test_a_short_train_with_a_weighting_runs_with_a_finite_loss(tmp_path, prepar
         np.testing.assert_allclose(last["u"], exported["u"].double().numpy(), rtol=0, atol=1e-7)
     final = config["final"]
     assert np.isfinite(final["loss"]) and final["loss"] > 0
+    # The report draws u(t) from that table, and only then (its lines: tests/test_report.py).
+    from ddpmrepro.evaluation.report import make_report
+    from ddpmrepro.params import ReportParams
+
+    drawn = make_report(tmp_path / "introspect", tmp_path / "live", tmp_path / "figures", ReportParams())
+    assert ("loss_weight.png" in {p.name for p in drawn}) == (diffusion["loss_weighting"] == "learned")
     if diffusion["loss_weighting"] == "min_snr":  # eps: w_t = min(1, 5 / SNR_t) < 1 at the first steps of T=10
         assert final["loss"] < final["mse"]
 

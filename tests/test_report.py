@@ -10,7 +10,7 @@ from PIL import Image
 
 from ddpmrepro.training.introspect import TableWriter
 from ddpmrepro.params import ReportParams
-from ddpmrepro.evaluation.report import DVC_PLOTS, act_rows, group_param_rows, make_report
+from ddpmrepro.evaluation.report import DVC_PLOTS, act_rows, group_param_rows, loss_weight_figure, make_report
 
 
 def synthetic_run(root, n_blocks=30, steps=range(10, 110, 10), per_rank=False):
@@ -49,6 +49,7 @@ def test_make_report_draws_nonempty_pngs(tmp_path):
     for p in paths:
         img = np.asarray(Image.open(p).convert("L"), dtype=float)
         assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 5, p.name  # not blank
+    assert not (tmp_path / "figs" / "loss_weight.png").exists()  # no loss_weight rows: not `learned`
     figures = {p if isinstance(p, str) else next(iter(p)) for p in DVC_PLOTS}
     assert "reports/introspect/steps.tsv" in figures
 
@@ -133,3 +134,48 @@ def test_an_imported_model_gets_a_note_instead_of_figures(tmp_path):
                           imported_from="models/published/ema_0.9999_500000.pt")
     assert written == [] and [p.name for p in out.iterdir()] == ["IMPORTED.txt"]
     assert "models/published/ema_0.9999_500000.pt" in (out / "IMPORTED.txt").read_text()
+
+
+def learned_weighting_run(root, steps):
+    """A loss_weight table as the loop writes it: `LearnedLossWeight.rows(step)` at each log step,
+    its curve moved between steps; steps.tsv only, as with introspection off."""
+    import torch
+
+    from ddpmrepro.training.learned_weighting import LearnedLossWeight
+
+    betas = np.linspace(1e-4, 0.02, 200)
+    weight = LearnedLossWeight(np.cumprod(1 - betas), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    w = TableWriter(root, start_step=0, flush_every=5)
+    for s in steps:
+        with torch.no_grad():
+            weight.weight.add_(torch.randn(weight.weight.shape, generator=gen))
+            weight.bias.sub_(0.5)
+        w.add(s, loss_weight=weight.rows(s))
+    w.close()
+
+
+@pytest.mark.parametrize("logged, drawn", [(range(10, 130, 10), [10, 30, 40, 60, 70, 90, 100, 120]),
+                                           ([5, 10, 15], [5, 10, 15]), ([7], [7])],
+                         ids=["12-steps", "3-steps", "1-step"])
+def test_the_learned_loss_weighting_is_drawn_one_line_per_chosen_step(tmp_path, logged, drawn):
+    learned_weighting_run(tmp_path / "introspect", logged)
+    live_metrics(tmp_path / "live")
+    table = pd.read_parquet(tmp_path / "introspect" / "loss_weight")
+    assert len(table) == 64 * len(logged)  # T = 200: 64 evenly spaced t per log step
+
+    fig = loss_weight_figure(table)
+    curves = [line for line in fig.axes[0].lines if line.get_gid()]
+    assert [c.get_gid() for c in curves] == [f"step {s}" for s in drawn]  # the first and last among them
+    for c, s in zip(curves, drawn):
+        rows = table[table["step"] == s].sort_values("t")
+        np.testing.assert_array_equal(c.get_xdata(), rows["t"])
+        np.testing.assert_array_equal(c.get_ydata(), rows["u"])
+    assert curves[-1].get_linewidth() > max([c.get_linewidth() for c in curves[:-1]], default=0)  # the last stands out
+    if len(drawn) > 1:
+        assert curves[0].get_color() != curves[-1].get_color()  # coloured by step
+
+    paths = make_report(tmp_path / "introspect", tmp_path / "live", tmp_path / "figs", ReportParams())
+    assert [p.name for p in paths] == ["loss_weight.png", "training_curves.png"]
+    img = np.asarray(Image.open(paths[0]).convert("L"), dtype=float)
+    assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 5

@@ -8,6 +8,8 @@ directory is an error, not an empty report):
 * `act_grad_heatmap.png`     log10 L2 of activation gradients, module (output, input) x step
 * `grad_norm_topk.png`       the top-k rows of both heatmaps by mean norm, as lines
 * `total_grad_norm.png`      global grad norm against the clipping threshold, clipped/skipped steps marked
+* `loss_weight.png`          the learned loss weighting u(t) at up to 8 logged steps (`loss_weight` table;
+                             only under `diffusion.loss_weighting: learned`)
 * `training_curves.png`      every dvclive metric in `live_dir/plots/metrics/**/*.tsv`
 
 `DVC_PLOTS` is the `plots:` block for dvc.yaml, so `dvc plots show` / `dvc plots diff` compare runs.
@@ -22,6 +24,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, LogLocator, MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
@@ -30,6 +33,7 @@ from ..tables import read_table  # noqa: E402  (the training's tables, not its c
 from ..params import ReportParams  # noqa: E402
 
 MAX_ROWS = 60  # heatmap rows; more parameters are combined per module (norm of the concatenation)
+LOSS_WEIGHT_LINES = 8  # logged steps drawn in loss_weight.png, evenly chosen, the first and last among them
 
 DVC_PLOTS = [
     {"reports/introspect/steps.tsv": {
@@ -199,6 +203,51 @@ def _noise_scale(metrics: dict[str, pd.DataFrame], steps: pd.DataFrame, path: Pa
     return _save(fig, path)
 
 
+def loss_weight_figure(table: pd.DataFrame, lines: int = LOSS_WEIGHT_LINES):
+    """The learned loss weighting u(t) (the `loss_weight` table), one line per chosen logged step.
+
+    Up to `lines` logged steps, evenly chosen with the first and the last, coloured by step; the
+    last is drawn thick. The curves are the first lines of the first axes, in step order, each with
+    gid "step N". exp(u_t), the scale level t's MSE is divided by (u_t tends to log E[L_t]), is
+    read on the right axis; log-SNR on the top one. Returns the matplotlib figure, not yet saved.
+    """
+    recorded = sorted(int(s) for s in table["step"].unique())
+    pick = np.unique(np.linspace(0, len(recorded) - 1, min(lines, len(recorded))).round().astype(int))
+    chosen = [recorded[i] for i in pick]
+    norm = plt.Normalize(min(chosen[0], chosen[-1] - 1), chosen[-1])  # one step alone: drawn dark too
+    cmap = plt.get_cmap("viridis_r")  # the last step darkest
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for s in chosen:
+        d = table[table["step"] == s].sort_values("t")
+        last = s == chosen[-1]
+        ax.plot(d["t"], d["u"], color=cmap(norm(s)), lw=2.5 if last else 1, zorder=3 if last else 2, gid=f"step {s}",
+                label=f"step {s} (last)" if last else (f"step {s}" if s == chosen[0] else None))
+    ax.axhline(0, color="k", lw=0.5, ls=":", label="u = 0 (the start: no rescaling)")
+    ax.set_xlabel("t (0 = least noise)")
+    ax.set_ylabel("u_t (about log E[L_t])")
+    ax.set_title("Learned loss weighting: L = L_t / exp(u_t) + u_t")
+    ax.legend(fontsize=7, loc="best")
+    # exp(u) on the right: the loss scale each level is divided by (a log axis is linear in u).
+    right = ax.secondary_yaxis("right", functions=(np.exp, lambda v: np.log(np.maximum(v, 1e-300))))
+    u = table.loc[table["step"].isin(chosen), "u"]
+    if u.max() - u.min() > 1.5:  # more than a factor ~4.5 in exp(u): ticks at 1, 2, 5 x 10^k (or 10^k)
+        right.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5) if u.max() - u.min() < 7 else (1,)))
+    right.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+    right.set_ylabel("exp(u_t): level t's MSE is divided by this")
+    # log-SNR on top, interpolated on the table's grid of t (it decreases with t).
+    grid = table[table["step"] == chosen[-1]].sort_values("t")
+    ts, ls = grid["t"].to_numpy(float), grid["logsnr"].to_numpy(float)
+    if len(ts) > 1:
+        top = ax.secondary_xaxis("top", functions=(lambda x: np.interp(x, ts, ls),
+                                                   lambda v: np.interp(v, ls[::-1], ts[::-1])))
+        top.set_xticks(np.round(np.interp(np.linspace(ts[0], ts[-1], 6), ts, ls), 1))  # evenly in t: not crowded
+        top.set_xlabel("log-SNR", fontsize=8)
+    if len(chosen) > 1:
+        bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.13, label="step")
+        bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
 def read_live_metrics(live_dir: Path) -> dict[str, pd.DataFrame]:
     """dvclive's `plots/metrics/**/*.tsv`: name -> DataFrame with columns step, value."""
     root = Path(live_dir) / "plots" / "metrics"
@@ -283,7 +332,7 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
                 f"{introspect_dir}: no introspection tables (param_grads/, act_grads/, steps/, steps.tsv); "
                 "pass --introspect the directory that train writes")
         log.warning("%s: no steps recorded (introspect.every is 0 and introspect.steps is empty): "
-                    "drawing the training curves only", introspect_dir)
+                    "drawing the training curves only (and the learned loss weighting, if any)", introspect_dir)
     metrics = read_live_metrics(live_dir)
     if not metrics:
         raise ReportInputError(f"{live_dir}: no dvclive metrics (no plots/metrics/*.tsv with rows); train writes them")
@@ -318,9 +367,12 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
         written.append(_conflict_matrices(levels, chosen, out / "noise_level_conflicts.png"))
     if "gns_b_simple" in metrics or (len(st) and st["gns_g2"].notna().any()):
         written.append(_noise_scale(metrics, st, out / "noise_scale.png"))
+    weighting = read_table(introspect_dir, "loss_weight")  # rows only under loss_weighting: learned
+    if len(weighting):
+        written.append(_save(loss_weight_figure(weighting), out / "loss_weight.png"))
     written.append(_training_curves(metrics, out / "training_curves.png"))
     return written
 
 
-__all__ = ["make_report", "ReportInputError", "group_param_rows", "act_rows", "read_live_metrics", "DVC_PLOTS",
-           "MAX_ROWS"]
+__all__ = ["make_report", "ReportInputError", "group_param_rows", "act_rows", "read_live_metrics", "loss_weight_figure",
+           "DVC_PLOTS", "MAX_ROWS", "LOSS_WEIGHT_LINES"]
