@@ -362,3 +362,83 @@ def test_the_default_bucket_count_fits_the_batch_and_params_never_refuse_it(batc
         assert min(np.bincount(which, minlength=count + 1)) * batch / T < 2
     P.from_dict({"train": {"batch_per_proc": batch}, "diffusion": {"timesteps": T}, "sample": {"respacing": ""},
                  "introspect": {"noise_bucket_space": space}})
+
+
+def recorded_step(tmp_path, model, ip, *, noise_scale_on: bool, batch: int = 16, done: int = 1, last: int = 1):
+    """One recorded step as the loop drives the instruments (1 process, no accumulation): the log's
+    gns_* values and the steps table."""
+    from ddpmrepro.training.introspect import read_table
+    from ddpmrepro.training.recording import Introspection
+
+    x0, t, noise = example_set(batch)
+    stats = RunningStats({"gns_small_sq": 1, "gns_big_sq": 1, "gns_g2": 1, "gns_trace": 1}, torch.device("cpu"))
+    ns = NoiseScale(model, enabled=noise_scale_on, micro_batch=batch, grad_accum=1, world=1, halflife_steps=100)
+    intro = Introspection(model, ip, last_step=last, alphas_cumprod=DIFFUSION.alphas_cumprod, batch_per_step=batch,
+                          noise_scale=ns, stats=stats, device=torch.device("cpu"))
+    intro.open_tables(tmp_path, 0)
+    with intro, ns:
+        intro.begin(done, 1.0)
+        losses = per_example_losses(model, x0, t, noise)
+        intro.measure(losses, t, grad_multiplier=1.0, loss_scale=1.0)
+        losses.mean().backward()
+        ns.after_backward(1.0)
+        intro.capture(done)
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+        gns_step = ns.after_step(stats, total, recorded=intro.recording)
+        intro.end(done, gns_step, total_norm=total, clip_threshold=1.0, skipped=False, loss_scale=1.0, lr=1e-3)
+    intro.close()
+    model.zero_grad(set_to_none=True)
+    return ns.log_values(stats.means(), steps_in_window=1), read_table(tmp_path, "steps"), \
+        read_table(tmp_path, "noise_levels")
+
+
+def test_noise_scale_off_means_no_gns_values_even_where_the_buckets_halves_could_give_them(tmp_path):
+    """`introspect.noise_scale: false` with one batch per step: the buckets still measure (their own
+    g2/trace columns), but neither the log nor the steps table gets gns_* from their halves."""
+    from ddpmrepro.params import IntrospectParams
+
+    model = tiny_model()
+    ip = {"every": 1, "steps": [], "noise_buckets": 2, "modules": ["out"]}
+    on, on_steps, on_levels = recorded_step(tmp_path / "on", model, IntrospectParams(**ip), noise_scale_on=True)
+    assert set(on) == {"gns_g2", "gns_trace", "gns_b_simple"} and on_steps["gns_trace"].notna().all()
+    off, off_steps, off_levels = recorded_step(tmp_path / "off", model, IntrospectParams(**ip, noise_scale=False),
+                                               noise_scale_on=False)
+    assert off == {}
+    assert off_steps["gns_g2"].isna().all() and off_steps["gns_trace"].isna().all()
+    assert len(off_levels) == 2 and off_levels["trace"].tolist() == on_levels["trace"].tolist()
+
+
+def test_the_buckets_measure_on_their_own_cadence_and_nothing_on_the_other_recorded_steps(tmp_path, monkeypatch):
+    """Every step recorded; the buckets' extra passes only on multiples of noise_levels_every, on
+    `steps` and on the last step; their rows are those steps'."""
+    from ddpmrepro.params import IntrospectParams
+    from ddpmrepro.training.introspect import read_table
+    from ddpmrepro.training.recording import Introspection
+
+    model = tiny_model()
+    x0, t, noise = example_set(16)
+    ip = IntrospectParams(every=1, steps=[2], noise_buckets=2, noise_levels_every=3, modules=["out"])
+    stats = RunningStats({"gns_small_sq": 1, "gns_big_sq": 1, "gns_g2": 1, "gns_trace": 1}, torch.device("cpu"))
+    ns = NoiseScale(model, enabled=True, micro_batch=16, grad_accum=1, world=1, halflife_steps=100)
+    intro = Introspection(model, ip, last_step=7, alphas_cumprod=DIFFUSION.alphas_cumprod, batch_per_step=16,
+                          noise_scale=ns, stats=stats, device=torch.device("cpu"))
+    passes = []
+    measure = intro.levels.measure
+    monkeypatch.setattr(intro.levels, "measure", lambda *a, **kw: (passes.append(done), measure(*a, **kw)))
+    intro.open_tables(tmp_path, 0)
+    with intro, ns:
+        for done in range(1, 8):
+            assert intro.begin(done, 1.0)
+            losses = per_example_losses(model, x0, t, noise)
+            intro.measure(losses, t, grad_multiplier=1.0, loss_scale=1.0)
+            losses.mean().backward()
+            ns.after_backward(1.0)
+            intro.capture(done)
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+            intro.end(done, ns.after_step(stats, total, recorded=True), total_norm=total, clip_threshold=1.0,
+                      skipped=False, loss_scale=1.0, lr=1e-3)
+            model.zero_grad(set_to_none=True)
+    intro.close()
+    assert passes == [2, 3, 6, 7]
+    assert sorted(read_table(tmp_path, "steps")["step"]) == list(range(1, 8))
+    assert sorted(read_table(tmp_path, "noise_levels")["step"].unique()) == [2, 3, 6, 7]

@@ -254,20 +254,27 @@ class IntrospectParams:
     noise_scale: bool = _f(True, doc="Measure the gradient noise scale B_simple (McCandlish et al. 2018) on every "
                                      "step that has two batch sizes (train.grad_accum >= 2 or several processes: "
                                      "hooks, no extra pass); otherwise it comes from the noise-level buckets' halves "
-                                     "on recorded steps. Logged as gns_g2, gns_trace, gns_b_simple.")
+                                     "on their steps. Logged as gns_g2, gns_trace, gns_b_simple (and in the steps "
+                                     "table); false: none of them, from either source.")
     noise_scale_halflife: float = _f(500.0, min=1.0, doc="Half-life in steps of the averages of |G|² and tr(Σ) "
                                                          "whose ratio is the logged gns_b_simple.")
-    noise_buckets: int | None = _f(None, min=0, max=64, doc="On recorded steps, split the batch's gradient into "
+    noise_buckets: int | None = _f(None, min=0, max=64, doc="On the steps of `noise_levels_every`, split the "
+                                                            "batch's gradient into "
                                                             "this many noise-level buckets of equal width in "
                                                             "`noise_bucket_space` (the noise_levels table: norms, "
                                                             "shares, conflicts, noise scales); 0: off; null: 4, or as "
                                                             "many (down to 1) as let each expect 2 examples per step "
                                                             "at the batch. Costs 2 x buckets extra backward passes "
-                                                            "per recorded step.")
+                                                            "on each of those steps.")
     noise_bucket_edges: list[float] = _f([], doc="Interior bucket edges instead (ascending, in "
                                                  "`noise_bucket_space` units): N edges make N + 1 buckets.")
     noise_bucket_space: str = _f("t", choices=("t", "logsnr"), doc="Bucket edges in timesteps t, or in log-SNR "
                                                                    "log(alpha_bar / (1 - alpha_bar)).")
+    noise_levels_every: int = _f(250, min=1, doc="The noise-level buckets on the recorded steps whose number is a "
+                                                 "multiple of k, on `steps` and on the last: each such step costs "
+                                                 "about 6 unrecorded ones on `tiny`, so at every recorded step they "
+                                                 "would add 20% to the default run (docs/INTROSPECTION.md, Cost); "
+                                                 "1: on every recorded step.")
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,12 @@ has no smaller batch of its own. For every bucket the table gets
 - `g2`, `trace`, `b_simple`: the two-batch estimates of |G|², tr(Σ) and B_simple of the bucket's
   own mean gradient, from its halves (unreliable with few examples: see docs/INTROSPECTION.md).
 
-Cost: on recorded steps only, 2 x buckets extra backward passes through the microbatch's graph
-(autograd.grad with the graph retained, so the training's own backward and its numbers are
-untouched), and 2 x buckets copies of the gradient; nothing on other steps.
+Cost: on the steps of `introspect.noise_levels_every` only (recording.py), 2 x buckets extra
+backward passes through the microbatch's graph (autograd.grad with the graph retained, so the
+training's own backward and its numbers are untouched), and 2 x buckets copies of the gradient;
+nothing on other steps. One batched vector-Jacobian product over the bucket halves' one-hot
+cotangents (`is_grads_batched`) computes the same numbers but is no faster on a CPU (the same
+arithmetic, vmapped: benchmarks/introspect_overhead.py --section vjp), so the loop stays.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Introspection as the loop sees it: on recorded steps, parameter-gradient norms, hooked
-activation gradients and the gradients by noise level go into the tables; on the other steps
-nothing is measured at all.
+"""Introspection as the loop sees it: on recorded steps, parameter-gradient norms and hooked
+activation gradients go into the tables, and on some of them (`introspect.noise_levels_every`) the
+gradients by noise level; on the other steps nothing is measured at all.
 
 The loop calls it at four points of a step: `begin` (arms the activation hooks), `measure` after
 each microbatch's forward (the noise-level buckets' extra backward passes), `capture` (after the
@@ -30,6 +30,8 @@ class Introspection:
     def __init__(self, raw_model: torch.nn.Module, ip: IntrospectParams, *, last_step: int, alphas_cumprod,
                  batch_per_step: int, noise_scale: NoiseScale, stats, device: torch.device):
         self.every, self.steps, self.last_step = ip.every, [*ip.steps, *ip.dump_steps], last_step
+        # The buckets' extra backward passes on a sparser cadence of their own (docs/INTROSPECTION.md, Cost).
+        self.levels_every, self.levels_steps = ip.noise_levels_every, list(ip.steps)
         self.noise_scale, self.stats = noise_scale, stats
         self.levels = NoiseLevelGradients(raw_model, alphas_cumprod, ip, batch_per_step=batch_per_step,
                                           device=device) if ip.noise_buckets != 0 or ip.noise_bucket_edges else None
@@ -46,7 +48,7 @@ class Introspection:
         except ValueError as e:
             raise ParamsError(f"introspect.modules: {e}") from None
         self.writer = None
-        self.recording = False
+        self.recording = self.measuring_levels = False
 
     @property
     def hooked_modules(self) -> set[str]:
@@ -70,15 +72,18 @@ class Introspection:
         """Before the forward passes of update `done`: whether it is recorded (then the hooks are armed;
         the activation gradients they catch are divided by the loss scale)."""
         self.recording = introspect.is_record_step(done, self.every, self.steps, last=self.last_step)
+        # The noise-level buckets: on the recorded steps of their own cadence, `steps` and the last.
+        self.measuring_levels = self.recording and self.levels is not None and \
+            introspect.is_record_step(done, self.levels_every, self.levels_steps, last=self.last_step)
         if self.recording:
             self.activations.arm(done, loss_scale=loss_scale)
         return self.recording
 
     def measure(self, weighted_losses: torch.Tensor, t: torch.Tensor, *, grad_multiplier: float,
                 loss_scale: float) -> None:
-        """On recorded steps, the noise-level buckets' parts of this microbatch's gradient (extra backward
-        passes through its graph, which neither the hooks nor the noise scale count)."""
-        if self.recording and self.levels is not None:
+        """On the buckets' steps, the noise-level buckets' parts of this microbatch's gradient (extra
+        backward passes through its graph, which neither the hooks nor the noise scale count)."""
+        if self.measuring_levels:
             with self.activations.paused(), self.noise_scale.paused():
                 self.levels.measure(weighted_losses, t,
                                     grad_multiplier=grad_multiplier, loss_scale=loss_scale, batch=len(t))
@@ -95,7 +100,9 @@ class Introspection:
         if not self.recording:
             return
         act_rows = self.activations.collect()
-        level_rows, halves = self.levels.finish() if self.levels is not None else ([], (math.nan, math.nan))
+        level_rows, halves = self.levels.finish() if self.measuring_levels else ([], (math.nan, math.nan))
+        if not self.noise_scale.requested:  # introspect.noise_scale: false: no gns_* from the halves either
+            halves = (math.nan, math.nan)
         if not self.noise_scale.enabled and all(map(math.isfinite, halves)):
             # one batch per step: the noise scale comes from the halves of the recorded steps
             self.stats.report("gns_g2", torch.tensor([halves[0]], dtype=torch.float64))
