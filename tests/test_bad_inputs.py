@@ -412,12 +412,13 @@ def test_an_ema_rate_that_was_not_trained_is_a_params_error(run):
 
 
 def _other_runs_snapshot(phema: Path):
-    from ddpmrepro.files import load_weights, save_weights
-    from ddpmrepro.model_dir import snapshot_metadata
+    from ddpmrepro.files import load_weights, save_weights, sha256
+    from ddpmrepro.model_dir import add_to_manifest, snapshot_metadata
 
     path = phema / "step_000000002-sigma_0.1.safetensors"
     save_weights(load_weights(path), path, metadata=snapshot_metadata(sigma_rel=0.1, step=2, updates=2,
                                                                       run_hash="0123456789abcdef"))
+    add_to_manifest(phema, {path.name: sha256(path)})  # a whole snapshot of another run, with its sum
 
 
 SNAPSHOT_CASES = {  # (damage to model/phema, sample.ema_length, the words of the one line)

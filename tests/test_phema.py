@@ -16,9 +16,9 @@ import torch
 
 from ddpmrepro import params as P
 from ddpmrepro.model import phema
-from ddpmrepro.model_dir import (MAX_FIT_ERROR, list_snapshots, reconstruct, snapshot_file, snapshot_metadata,
-                                 snapshot_steps)
-from ddpmrepro.files import save_weights
+from ddpmrepro.model_dir import (MAX_FIT_ERROR, add_to_manifest, list_snapshots, reconstruct, snapshot_file,
+                                 snapshot_metadata, snapshot_steps)
+from ddpmrepro.files import save_weights, sha256
 from ddpmrepro.training.phema import PowerEMA
 
 
@@ -60,10 +60,10 @@ def walk(steps: int, dim: int = 64, seed: int = 0) -> torch.Tensor:
     return torch.randn(steps, dim, generator=g, dtype=torch.float64).cumsum(0)  # (steps, dim)
 
 
-def track(thetas: torch.Tensor, sigmas, *, count: int, directory=None, skip=()):
+def track(thetas: torch.Tensor, sigmas, *, count: int, directory=None, skip=(), dtype="fp32"):
     """Runs a PowerEMA over the weights `thetas` (one step each), snapshots into `directory`."""
     model = Walk(thetas.shape[1])
-    ema = PowerEMA(model, sigmas, count=count, steps=len(thetas))
+    ema = PowerEMA(model, sigmas, count=count, steps=len(thetas), dtype=dtype)
     for step, theta in enumerate(thetas, start=1):
         if step not in skip:
             with torch.no_grad():
@@ -297,6 +297,7 @@ def test_snapshots_of_another_run_are_refused(snapshots):
 
     save_weights(load_weights(path), path, metadata=snapshot_metadata(sigma_rel=0.05, step=8, updates=8,
                                                                       run_hash="other"))
+    add_to_manifest(snapshots, {path.name: sha256(path)})  # a whole snapshot of another run, not a damaged one
     with pytest.raises(P.ParamsError, match="is a snapshot of run other, not of this model's run run"):
         reconstruct(snapshots, 0.07, train_params(64, 8), run_hash="run")
     # and snapshots at other steps (or of other lengths) than this run's params say
@@ -309,6 +310,243 @@ def test_a_length_the_snapshots_cannot_make_is_refused(snapshots):
     with pytest.raises(P.ParamsError, match=r"sample.ema_length=0.01: .* profile error of .* \(at most 0.01\)"):
         reconstruct(snapshots, 0.01, train_params(64, 8), run_hash="run")
     assert MAX_FIT_ERROR == 1e-2
+
+
+# --- how the snapshots are stored: precision, one copy, their sums --------------------------------
+
+UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}  # round to nearest: half an ulp, relative
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_rounded_snapshots_reconstruct_within_the_rounding_bound(tmp_path, dtype):
+    """`train.posthoc_ema_dtype`: the files hold fp16/bf16, the averages stay fp32 (the same bits as
+    with fp32 files: resume is unchanged) and are summed in fp64. The reconstruction from rounded
+    snapshots then differs from the fp32 snapshots' by sum_i c_i (round(s_i) - s_i): per element at
+    most u sum_i |c_i| |s_i| (u the unit roundoff), plus the fp32 rounding of each result."""
+    from safetensors import safe_open
+
+    from ddpmrepro.files import load_weights
+
+    steps, count = 2048, 32
+    thetas = walk(steps)
+    full, rounded = tmp_path / "fp32", tmp_path / dtype
+    ema32 = track(thetas, [0.05, 0.1], count=count, directory=full)
+    ema = track(thetas, [0.05, 0.1], count=count, directory=rounded, dtype=dtype)
+    for s in (0.05, 0.1):
+        assert ema.averages[s]["w"].dtype == torch.float32
+        assert torch.equal(ema.averages[s]["w"], ema32.averages[s]["w"])
+    with safe_open(str(rounded / snapshot_file(steps, 0.1)), "pt") as f:
+        assert f.get_tensor("w").dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    train = train_params(steps, count)
+    snaps = list_snapshots(full)
+    for length in (0.05, 0.075, 0.15):
+        want = reconstruct(full, length, train, run_hash="run")["w"].double()
+        got = reconstruct(rounded, length, train, run_hash="run")["w"].double()
+        c, _ = phema.solve([(s.updates, s.sigma_rel) for s in snaps], steps, length)
+        bound = UNIT_ROUNDOFF[dtype] * sum(abs(float(ci)) * load_weights(s.path)["w"].double().abs()
+                                           for ci, s in zip(c, snaps))
+        bound += 2.0 ** -24 * (want.abs() + got.abs())
+        assert ((got - want).abs() <= bound).all(), length
+        assert (got - want).abs().max() > 1e-3 * UNIT_ROUNDOFF[dtype] * want.abs().max()  # rounded indeed
+
+
+def test_fp16_snapshots_take_half_the_bytes_and_a_tensor_beyond_its_range_stays_fp32(tmp_path):
+    from ddpmrepro.files import load_weights
+
+    thetas = walk(4, dim=4096)
+    for dtype in ("fp32", "fp16"):
+        track(thetas, [0.1], count=1, directory=tmp_path / dtype, dtype=dtype)
+    size = {d: (tmp_path / d / snapshot_file(4, 0.1)).stat().st_size for d in ("fp32", "fp16")}
+    assert 0.5 * size["fp32"] < size["fp16"] < 0.51 * size["fp32"]
+    # fp16 ends at 65504: a weight past it would be stored as inf, so its tensor keeps fp32
+    model = torch.nn.Module()
+    model.big, model.small = torch.nn.Parameter(torch.full((3,), 1e5)), torch.nn.Parameter(torch.ones(3) / 3)
+    ema = PowerEMA(model, [0.1], count=1, steps=1, dtype="fp16")
+    ema.update()
+    ema.snapshot(1, tmp_path / "range", run_hash="run")
+    w = load_weights(tmp_path / "range" / snapshot_file(1, 0.1))
+    assert w["big"].dtype == torch.float32 and torch.equal(w["big"], model.big.detach())
+    assert w["small"].dtype == torch.float16
+
+
+def test_a_bad_snapshot_dtype_is_refused_by_check_params(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"train": {"posthoc_ema_dtype": "float8"}}))
+    out = subprocess.run([sys.executable, "-m", "ddpmrepro.cli", "check-params", "--out", "resolved"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and not (tmp_path / "resolved").exists()
+    assert out.stderr.strip().splitlines() == [
+        "Error: params.yaml: train.posthoc_ema_dtype: 'float8' is not one of fp16 | bf16 | fp32"]
+
+
+def test_the_snapshot_dtype_enters_the_run_hash_unless_it_is_fp32_or_nothing_is_tracked():
+    """Another dtype writes other files into the run directory, so it is another run; fp32, what
+    runs wrote before the key existed, and any dtype without post-hoc EMA, leave the hash as it was."""
+    from ddpmrepro.training.loop import run_hash
+
+    def h(**train):
+        return run_hash(P.from_dict({"train": train}), "data")
+    assert len({h(posthoc_ema_dtype=d) for d in ("fp32", "fp16", "bf16")}) == 3
+    assert len({h(posthoc_ema=[], posthoc_ema_dtype=d) for d in ("fp32", "fp16", "bf16")}) == 1
+    # fp32 hashes what the train section held before the key: the same hash as without it
+    import hashlib
+    import json
+
+    from ddpmrepro.training.loop import OPERATIONAL_TRAIN_KEYS
+
+    d = P.from_dict({"train": {"posthoc_ema_dtype": "fp32"}}).to_dict()
+    train = {k: v for k, v in d["train"].items() if k not in (*OPERATIONAL_TRAIN_KEYS, "compile", "posthoc_ema_dtype")}
+    model = {k: v for k, v in d["model"].items() if k != "grad_checkpoint"}
+    blob = json.dumps({"data": "data", "model": model, "diffusion": d["diffusion"], "train": train}, sort_keys=True)
+    assert h(posthoc_ema_dtype="fp32") == hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def exported(tmp_path, *, steps=4, dtype=None):
+    """A model directory exported from a run directory as `train` does (`write_model` with the run's
+    snapshots), of a small UNet whose weights move at every step: (model dir, run's snapshot dir)."""
+    from ddpmrepro.model.unet import build_unet
+    from ddpmrepro.model_dir import data_section, write_model
+
+    train = {"steps": steps, "posthoc_ema_snapshots": steps, "warmup_steps": 0}
+    if dtype:
+        train["posthoc_ema_dtype"] = dtype
+    params = P.from_dict({"model": {"channels": 16, "channel_mult": [1, 2], "num_res_blocks": 1,
+                                    "attention_resolutions": [4], "num_head_channels": 16}, "train": train})
+    torch.manual_seed(0)
+    net = build_unet(params.model, image_size=8, in_channels=1, num_classes=10, learn_sigma=False)
+    ema = PowerEMA(net, params.train.posthoc_ema, count=steps, steps=steps, **({"dtype": dtype} if dtype else {}))
+    run = tmp_path / "checkpoints" / "run" / "code" / "phema"
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for w in net.parameters():
+                w.add_(0.01 * torch.randn_like(w))
+        ema.update()
+        ema.snapshot(step, run, run_hash="run")
+    manifest = {"source": "digits", "num_classes": 10, "image_size": 8, "channels": 1,
+                "class_names": list("0123456789")}
+    config = {"params": params.to_dict(), "data": data_section(manifest), "data_sha256": {}, "code_version": "code",
+              "run_hash": "run", "ema_rates": [0.999], "final": {}, "torch": torch.__version__}
+    write_model(tmp_path / "model", config, net.state_dict(), {0.999: net.state_dict()}, snapshots=run)
+    return tmp_path / "model", run
+
+
+def test_the_export_links_the_snapshots_one_copy_on_disk(tmp_path):
+    """models/ddpm/phema/ and the run directory hold the same files (hard links): the bytes of one
+    copy. A resume that redoes a snapshot step renames a new file over the run directory's name,
+    which leaves the exported one as it was (same bits, still its sum); a re-export (a rerun with no
+    step left) links the run directory's files again."""
+    import json
+    import os
+
+    from ddpmrepro.files import load_weights, weights_metadata
+    from ddpmrepro.model_dir import read_manifest, write_model
+
+    model, run = exported(tmp_path)
+    names = sorted(p.name for p in run.glob("step_*"))
+    assert len(names) == 8 and sorted(p.name for p in (model / "phema").glob("step_*")) == names
+    assert all(os.stat(model / "phema" / n).st_ino == os.stat(run / n).st_ino for n in names)
+    allocated = lambda *dirs: sum(os.stat(p).st_blocks for p in {os.stat(p).st_ino: p for d in dirs
+                                                                  for p in d.glob("step_*")}.values())
+    assert allocated(model / "phema", run) == allocated(run)  # `du` of both: one copy
+    assert read_manifest(model / "phema") == {n: sha256(run / n) for n in names}
+
+    before = (model / "phema" / names[-1]).read_bytes()
+    save_weights(load_weights(run / names[-1]), run / names[-1], metadata=weights_metadata(run / names[-1]))
+    assert os.stat(model / "phema" / names[-1]).st_ino != os.stat(run / names[-1]).st_ino
+    assert (model / "phema" / names[-1]).read_bytes() == before == (run / names[-1]).read_bytes()
+    config = json.loads((model / "config.json").read_text())
+    train = P.from_dict(config["params"]).train
+    reconstruct(model / "phema", 0.1, train, run_hash="run")
+
+    weights = load_weights(model / "model.safetensors")
+    write_model(model, config, weights, {0.999: weights}, snapshots=run)
+    assert all(os.stat(model / "phema" / n).st_ino == os.stat(run / n).st_ino for n in names)
+    reconstruct(model / "phema", 0.1, train, run_hash="run")
+
+
+def flip_a_bit_in_the_tensor_data(path):
+    """One bit in the middle of a safetensors file's data (past its 8-byte length and JSON header)."""
+    data = bytearray(path.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    at = 8 + header + (len(data) - 8 - header) // 2
+    data[at] ^= 0x10
+    with open(path, "r+b") as f:  # in place, as a disk or a stray write would: no new file
+        f.write(data)
+
+
+def test_a_flipped_bit_in_a_snapshot_is_refused_before_sampling(tmp_path, monkeypatch):
+    """`ddpmrepro sample` with sample.ema_length reads the snapshots: with one bit of one snapshot's
+    tensor data flipped it exits non-zero with one line naming that file, and writes no samples
+    (it sampled from the intact directory a moment before)."""
+    import yaml
+    from click.testing import CliRunner
+
+    from ddpmrepro.cli import main
+
+    model, _ = exported(tmp_path, steps=16)  # 16 snapshots per length make 0.08 (4 would not)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"sample": {"ema_length": 0.08, "per_class": 1,
+                                                                     "nfe": 3}}))
+    ok = CliRunner().invoke(main, ["sample", "--model", "model", "--out", "intact"])
+    assert ok.exit_code == 0 and (tmp_path / "intact" / "samples.npz").exists(), ok.output
+    damaged = model / "phema" / snapshot_file(2, 0.1)
+    flip_a_bit_in_the_tensor_data(damaged)
+    out = CliRunner().invoke(main, ["sample", "--model", "model", "--out", "samples"])
+    assert out.exit_code != 0 and not (tmp_path / "samples").exists()
+    assert out.output.strip().splitlines() == [
+        f"Error: {damaged.relative_to(tmp_path)}: sha256 differs from {model.relative_to(tmp_path)}/phema/SHA256SUMS "
+        "(damaged or modified since it was written); restore the model directory (`dvc checkout models/ddpm`) or "
+        "retrain"]
+
+
+def test_a_damaged_run_directory_snapshot_fails_the_export_and_a_missing_manifest_is_refused(tmp_path):
+    """The export checks each snapshot against the sums written with it (a damaged one never gets a
+    fresh sum); a model directory without SHA256SUMS (exported before it existed) is refused with
+    the way to write one."""
+    from ddpmrepro.files import CheckpointError, load_weights
+    from ddpmrepro.model_dir import read_config, write_model
+
+    model, run = exported(tmp_path)
+    (model / "phema" / "SHA256SUMS").unlink()
+    train = P.from_dict(read_config(model)["params"]).train
+    with pytest.raises(CheckpointError, match=r"phema/SHA256SUMS: not found, .*, or, if you trust them, write it: "
+                                              r"\(cd .*phema && sha256sum step_\*.safetensors > SHA256SUMS\)$"):
+        reconstruct(model / "phema", 0.1, train, run_hash="run")
+    flip_a_bit_in_the_tensor_data(run / snapshot_file(3, 0.05))  # the model directory's link too
+    weights = load_weights(model / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"^{run / snapshot_file(3, 0.05)}: sha256 differs from "
+                                              rf"{run / 'SHA256SUMS'} .*; retrain \(`ddpmrepro train --restart`\)$"):
+        write_model(tmp_path / "again", read_config(model), weights, {0.999: weights}, snapshots=run)
+    assert not (tmp_path / "again").exists()
+
+
+def test_the_precision_benchmark_measures_each_dtype_against_the_fp32_snapshots(tmp_path):
+    """benchmarks/phema_precision.py on a model directory with fp32 snapshots: per length, the rounded
+    snapshots' error within u sum |c_i| (relative L2 over the weights is at most the per-element
+    bound relative to each weight), and the bytes of each dtype."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, _ = exported(tmp_path, steps=16, dtype="fp32")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "phema_precision.py"), "--model", str(model),
+                          "--lengths", "0.05,0.08,0.1", "--out", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert [row["length"] for row in r["weights"]] == [0.05, 0.08, 0.1]
+    for row in r["weights"]:
+        for dtype in ("fp16", "bf16"):
+            assert 0 < row[dtype]["rel_l2"] <= row[dtype]["bound_u_sum_abs_c"], (row, dtype)
+        assert row["bf16"]["rel_l2"] > 4 * row["fp16"]["rel_l2"]
+    assert 0.49 < r["snapshot_bytes"]["fp16"] / r["snapshot_bytes"]["fp32"] < 0.52
 
 
 # --- through the stages ---------------------------------------------------------------------------
@@ -340,6 +578,18 @@ def test_sample_and_export_read_the_reconstructed_average(tmp_path, monkeypatch)
     out = run("train", "--data", "data", "--out", "model", "--live", "live", "--introspect", "intro",
               "--checkpoints", "ckpt")
     assert out.exit_code == 0, out.output
+    # One copy on disk: the model directory's snapshots are the run directory's files, also after a
+    # rerun with no step left (it exports again from the run directory).
+    import os
+
+    (run_dir,) = (tmp_path / "ckpt").glob("*/*/phema")
+    for again in (False, True):
+        if again:
+            assert run("train", "--data", "data", "--out", "model", "--live", "live", "--introspect", "intro",
+                       "--checkpoints", "ckpt").exit_code == 0
+        names = sorted(p.name for p in run_dir.glob("step_*"))
+        assert len(names) == 32 and sorted(p.name for p in (tmp_path / "model" / "phema").glob("step_*")) == names
+        assert all(os.stat(run_dir / n).st_ino == os.stat(tmp_path / "model" / "phema" / n).st_ino for n in names)
     for at in (0, 8):  # the last step, and sample.ema_step: 8
         model, _, _ = load_model(tmp_path / "model", 0.999, ema_length=0.1, ema_step=at)
         snap = load_weights(tmp_path / "model" / "phema" / snapshot_file(at or 16, 0.1))

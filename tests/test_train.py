@@ -89,7 +89,7 @@ def final_state(run_dir: Path) -> dict:
     weights = load_weights(run_dir / "model" / "model.safetensors")
     emas = {r: load_weights(run_dir / "model" / f"ema_{r}.safetensors") for r in ("0.9", "0.99")}
     # the post-hoc EMA's snapshots (SMALL's 8 steps: one after every step) count as EMAs here
-    emas |= {f.name: load_weights(f) for f in sorted((run_dir / "model" / "phema").iterdir())}
+    emas |= {f.name: load_weights(f) for f in sorted((run_dir / "model" / "phema").glob("step_*"))}
     assert len(emas) == 2 + 2 * state["step"]
     return {"step": state["step"], "weights": weights, "emas": emas, "sampler": state["sampler"]}
 

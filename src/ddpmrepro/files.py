@@ -198,6 +198,17 @@ def copy_dir(src: Path, dst: Path) -> None:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """`dst` as a hard link to `src` (one copy on disk), or a copy where a link cannot be made (another
+    file system, or one without hard links). Safe only for files that are never written in place:
+    every writer here replaces a file by renaming a new one over it (`atomic_write`), which leaves
+    the other name holding the old bytes, and a reader that deletes one name keeps the other."""
+    try:
+        os.link(src, dst)
+    except OSError:  # EXDEV, EPERM (no hard links there), EMLINK
+        shutil.copyfile(src, dst)
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swaps two existing paths in one step; False where that cannot be done here (then nothing moved)."""
     renameat2 = _renameat2()

@@ -7,6 +7,8 @@
                                average of one length after some step, `step_<N>-sigma_<length>.safetensors`
                                with metadata naming its length, step, update count and run; from them
                                `sample.ema_length` makes the average of another length (`reconstruct`)
+      SHA256SUMS               the sha256 of each snapshot, taken when training wrote it, in
+                               `sha256sum`'s format; every reconstruction checks the files against it
     loss_weight.safetensors    the learned loss weighting u(t) (`diffusion.loss_weighting: learned`): its
                                state and the curve `u` over t; read by the report, never by sampling
     config.json                `params` (resolved), `data` (`DATA_KEYS` of the manifest it was made
@@ -21,8 +23,9 @@ bytes DVC hashes); this module checks what every reader relies on, writes the di
 from __future__ import annotations
 
 import json
+import os
 import re
-import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +43,7 @@ LOSS_WEIGHT_FILE = "loss_weight.safetensors"  # diffusion.loss_weighting: learne
 PHEMA_DIR = "phema"
 SNAPSHOT = re.compile(r"^step_(\d{9})-sigma_(.+)\.safetensors$")
 SNAPSHOT_FORMAT = "ddpmrepro-phema-1"
+MANIFEST_FILE = "SHA256SUMS"  # of the snapshots, in `sha256sum`'s format: `<hex>  <name>` per line
 MAX_FIT_ERROR = phema.MAX_FIT_ERROR  # checked from params alone by pipeline/check_params.py too
 DATA_KEYS = ("source", "num_classes", "image_size", "channels", "class_names")
 
@@ -67,7 +71,9 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
     :param weights: the raw weights (model.safetensors), or None where there are none (an import of
         one EMA).
     :param emas: rate -> EMA weights.
-    :param snapshots: a directory of post-hoc EMA snapshots to copy into `phema/` (its snapshot files
+    :param snapshots: a run directory's post-hoc EMA snapshots, put into `phema/` as hard links (one
+        copy on disk; a copy where the two directories are on different file systems), each checked
+        against the run directory's SHA256SUMS first, which goes with them (its snapshot files
         only: a killed writer's temp file stays behind).
     :param loss_weight: the learned loss weighting's tensors (LOSS_WEIGHT_FILE), where trained with
         `diffusion.loss_weighting: learned`; never read by sampling.
@@ -87,7 +93,12 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
         if names:
             (tmp / PHEMA_DIR).mkdir()
             for name in names:
-                shutil.copyfile(snapshots / name, tmp / PHEMA_DIR / name)
+                files.link_or_copy(snapshots / name, tmp / PHEMA_DIR / name)
+            # Checked as exported: a snapshot damaged in the run directory fails the train stage, not
+            # a later sample, and is never given a fresh sum.
+            digests = verify_snapshots(tmp / PHEMA_DIR, sums_from=snapshots, fix="retrain (`ddpmrepro train "
+                                       "--restart`)")
+            add_to_manifest(tmp / PHEMA_DIR, digests)
         files.atomic_write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2))
 
 
@@ -204,13 +215,65 @@ def check_snapshots(snaps: list[Snapshot], directory: Path, train, *, run_hash: 
                           "or retrain")
 
 
+def read_manifest(directory: Path) -> dict[str, str]:
+    """name -> sha256 of `directory`'s SHA256SUMS ({} where there is none)."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
+            raise files.CheckpointError(f"{path}: not a SHA256SUMS file (line {line[:80]!r}); restore the model "
+                                        "directory (`dvc checkout models/ddpm`) or retrain")
+        out[name] = digest
+    return out
+
+
+def add_to_manifest(directory: Path, digests: dict[str, str]) -> None:
+    """Adds (or replaces) these files' sums in `directory`'s SHA256SUMS, rewritten atomically."""
+    sums = {**read_manifest(directory), **digests}
+    files.atomic_write_text(Path(directory) / MANIFEST_FILE, "".join(f"{sums[n]}  {n}\n" for n in sorted(sums)))
+
+
+def verify_snapshots(directory: Path, *, sums_from: Path | None = None, shown: Path | None = None,
+                     fix: str = "restore the model directory (`dvc checkout models/ddpm`) or retrain") -> dict[str, str]:
+    """Hashes every snapshot file of `directory` once and checks it against the SHA256SUMS of
+    `sums_from` (default: `directory`); returns name -> sha256. A file that differs or is not
+    listed, or no SHA256SUMS, is one CheckpointError line naming the file (in `shown`, default
+    `sums_from`) and `fix`. A listed file that is not there is `check_snapshots`' to name."""
+    directory = Path(directory)
+    sums_from = Path(sums_from) if sums_from else directory
+    shown, manifest = Path(shown) if shown else sums_from, sums_from / MANIFEST_FILE
+    names = sorted(p.name for p in directory.iterdir() if SNAPSHOT.match(p.name)) if directory.is_dir() else []
+    if names and not manifest.exists():
+        raise files.CheckpointError(f"{manifest}: not found, so the snapshots cannot be checked (written before "
+                                    f"ddpmrepro kept their sums); {fix}, or, if you trust them, write it: "
+                                    f"(cd {shown} && sha256sum step_*.safetensors > {MANIFEST_FILE})")
+    want = read_manifest(sums_from)
+    for name in names:
+        if name not in want:
+            raise files.CheckpointError(f"{shown / name}: not listed in {manifest}, so it cannot be checked; "
+                                        f"remove it or {fix}")
+    # hashlib releases the GIL per block: a few threads hash several files at once.
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(names)))) as pool:
+        digests = dict(zip(names, pool.map(lambda n: files.sha256(directory / n), names)))
+    for name in names:
+        if digests[name] != want[name]:
+            raise files.CheckpointError(f"{shown / name}: sha256 differs from {manifest} (damaged or modified "
+                                        f"since it was written); {fix}")
+    return digests
+
+
 def reconstruct(directory: Path, length: float, train, *, run_hash: str, at_step: int = 0) -> dict[str, torch.Tensor]:
     """The averaged weights of EMA length `length` at the end of the run, or as they stood after
     step `at_step` (> 0) (name -> fp32 tensor), from the snapshots in `directory` of the run
     `run_hash` trained with `train` (TrainParams). Reads one snapshot at a time: memory is two copies
-    of the weights (the fp64 sum, one snapshot). Every failure is one ParamsError line (exit 2),
-    before anything is written."""
+    of the weights (the fp64 sum, one snapshot). Every file is checked against SHA256SUMS first (a
+    damaged one: one CheckpointError line, exit 1); every other failure is one ParamsError line
+    (exit 2); both before anything is written."""
     key = f"sample.ema_length={length:g}" + (f", sample.ema_step={at_step}" if at_step else "")
+    verify_snapshots(directory)
     snaps = list_snapshots(directory)
     check_snapshots(snaps, directory, train, run_hash=run_hash, key=key)
     if at_step:
@@ -240,7 +303,8 @@ def reconstruct(directory: Path, length: float, train, *, run_hash: str, at_step
     return {k: v.float() for k, v in total.items()}
 
 
-__all__ = ["MODEL_FILE", "CONFIG_FILE", "LOSS_WEIGHT_FILE", "PHEMA_DIR", "SNAPSHOT", "SNAPSHOT_FORMAT", "MAX_FIT_ERROR",
+__all__ = ["MODEL_FILE", "CONFIG_FILE", "LOSS_WEIGHT_FILE", "PHEMA_DIR", "SNAPSHOT", "SNAPSHOT_FORMAT", "MANIFEST_FILE", "MAX_FIT_ERROR",
+           "read_manifest", "add_to_manifest", "verify_snapshots",
            "snapshot_file", "snapshot_metadata", "snapshot_steps", "check_ema_step", "Snapshot", "list_snapshots", "check_snapshots",
            "reconstruct", "DATA_KEYS", "weights_file", "data_section", "write_model", "read_config",
            "build_model", "load_model"]

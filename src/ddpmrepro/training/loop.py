@@ -77,6 +77,10 @@ def run_hash(params: Params, data_digest: str) -> str:
     train = {k: v for k, v in d["train"].items() if k not in OPERATIONAL_TRAIN_KEYS}
     if train["compile"] == "none":  # compiled kernels round differently; runs from before the option keep their hash
         del train["compile"]
+    # The snapshots' dtype changes the run directory's files (not the weights): a run resumed or
+    # re-exported with another would mix them. fp32 is what runs before the option wrote.
+    if train["posthoc_ema_dtype"] == "fp32" or not train["posthoc_ema"]:
+        del train["posthoc_ema_dtype"]
     # Checkpointing changes memory, not one bit of the updates: a run may resume with it switched.
     model = {k: v for k, v in d["model"].items() if k != "grad_checkpoint"}
     what = {"data": data_digest, "model": model, "diffusion": d["diffusion"], "train": train}
@@ -168,7 +172,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=p.precision == "fp16")
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(p.precision)
     ema = EMA(raw_model, p.ema_rates, warmup=p.ema_warmup)
-    phema = PowerEMA(raw_model, p.posthoc_ema, count=p.posthoc_ema_snapshots, steps=p.steps)  # EDM2's post-hoc EMA
+    phema = PowerEMA(raw_model, p.posthoc_ema, count=p.posthoc_ema_snapshots, steps=p.steps,  # EDM2's post-hoc EMA
+                     dtype=p.posthoc_ema_dtype)
     sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps)
     # Sampler updates are queued and applied just before the next draw: the GPU is never waited for inside a step.
     sampler_updates = DeferredUpdates(sampler)
