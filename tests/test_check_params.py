@@ -101,20 +101,20 @@ BY_PARAMS = {  # site -> [(params.yaml, the key the one line names)]
                                                   "superres.project")],
     "evaluation/superres.py:sample_superres#2": [({"superres": {"noise_aug": 0.1, "sample_noise_aug": 0.2}},
                                                   "superres.sample_noise_aug")],
-    "training/recording.py:Introspection.__init__#0": [({"introspect": {"params": ["nothing.*"]}},
+    "training/recording.py:gradient_recorders#0": [({"introspect": {"params": ["nothing.*"]}},
                                                        "introspect.params")],
-    "training/recording.py:Introspection.__init__#1": [({"introspect": {"modules": ["out", "bogus"]}},
+    "training/recording.py:gradient_recorders#1": [({"introspect": {"modules": ["out", "bogus"]}},
                                                        "introspect.modules"),
                                                       ({"introspect": {"dump_steps": [1], "dump_modules": ["out.0"]}},
                                                        "introspect.modules")],
-    "training/noise_levels.py:NoiseLevelGradients.__init__#0": [
+    "training/noise_levels.py:bucket_layout": [
         ({"introspect": {"noise_bucket_space": "logsnr", "noise_bucket_edges": [100.0]}},
-         "introspect.noise_bucket_edges")],
-    "training/noise_levels.py:NoiseLevelGradients.__init__#1": [
+         "introspect.noise_bucket_edges"),
         ({"introspect": {"noise_bucket_space": "logsnr", "noise_bucket_edges": [10.0]}},
          "introspect.noise_bucket_edges"),
         ({"introspect": {"noise_bucket_space": "logsnr", "noise_buckets": 64}}, "introspect.noise_buckets"),
-        ({"introspect": {"noise_bucket_edges": [10.0]}}, "introspect.noise_bucket_edges")],
+        ({"introspect": {"noise_bucket_edges": [10.0]}}, "introspect.noise_bucket_edges"),
+        ({"introspect": {"noise_bucket_edges": [600.0, 300.0]}}, "introspect.noise_bucket_edges")],
 }
 BY_OTHER_INPUTS = {  # site -> what it reads besides params.yaml
     "model_dir.py:list_snapshots": "the snapshot files' metadata",

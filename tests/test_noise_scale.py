@@ -26,7 +26,8 @@ import torch
 from ddpmrepro.model.diffusion import GaussianDiffusion, get_beta_schedule
 from ddpmrepro.params import ModelParams, ParamsError
 from ddpmrepro.model.unet import build_unet
-from ddpmrepro.training.noise_levels import NoiseLevelGradients, bucket_table
+from ddpmrepro.training.noise_buckets import bucket_table
+from ddpmrepro.training.noise_levels import NoiseLevelGradients
 from ddpmrepro.training.noise_scale import NoiseScale, SmoothedRatio, two_batch_estimates
 from ddpmrepro.training.stats import RunningStats
 
@@ -349,7 +350,7 @@ def test_the_default_bucket_count_fits_the_batch_and_params_never_refuse_it(batc
     """noise_buckets: null (the default) is 4 buckets, or fewer where a small batch cannot fill 4: a run
     that never mentions the instrument is never refused for it (set explicitly, it is checked)."""
     from ddpmrepro import params as P
-    from ddpmrepro.training.noise_levels import default_bucket_count
+    from ddpmrepro.training.noise_buckets import default_bucket_count
 
     ac = GaussianDiffusion(get_beta_schedule("cosine", T)).alphas_cumprod.numpy()
     count = default_bucket_count(ac, space, batch)

@@ -174,3 +174,26 @@ def test_grad_norm_sampler_state_round_trips_and_needs_its_buckets():
         create_sampler("grad-norm", 12)
     assert not create_sampler("grad-norm", 12, np.arange(12) // 4).learns_from_losses
     assert math.isnan(GradNormSampler(np.arange(2)).second_moments()[0])
+
+
+@pytest.mark.slow
+def test_grad_norm_sampler_learns_from_the_buckets_in_training_and_resumes_bitwise_with_two_processes(tmp_path):
+    """train.timestep_sampler: grad-norm through the CLI: it leaves its uniform phase after the first
+    measured step, the 2 ranks stay in step (the bucket rows come after the all-reduce), and a run
+    killed after its checkpoint at step 4 resumes to the uninterrupted run's bits, sampler state included."""
+    from ddpmrepro import params as P
+    from ddpmrepro.data import prepare
+    from test_train import assert_same, final_state, kill_after_checkpoint, run_train, write_params
+
+    data = tmp_path / "data"
+    prepare(P.DataParams(), data)
+    over = dict(train={"nproc": 2, "batch_per_proc": 8, "timestep_sampler": "grad-norm"},
+                introspect={"every": 2, "noise_levels_every": 1})
+    straight = write_params(tmp_path / "p.yaml", **over)
+    run_train(tmp_path / "straight", data, straight, 2)
+    kill_after_checkpoint(tmp_path / "resumed", data, straight, 2, step=4)
+    run_train(tmp_path / "resumed", data, straight, 2)
+    a, b = final_state(tmp_path / "straight"), final_state(tmp_path / "resumed")
+    assert_same(a, b, exact=True)
+    assert bool((a["sampler"]["totals"] > 0).all())  # every bucket measured: out of its uniform phase
+    assert len(a["sampler"]["sums"]) == 4 and float(a["sampler"]["sums"].std()) > 0  # 4 buckets, unequal

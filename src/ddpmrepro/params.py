@@ -216,9 +216,12 @@ class TrainParams:
                       doc="`blocks`: torch.compile each residual and attention block's forward (regional "
                           "compilation; docs/BENCHMARKS.md has when it pays). Needs a C++ compiler on CPU, "
                           "Triton on GPUs. Inductor's caches go to CHECKPOINTS/inductor-cache.")
-    timestep_sampler: str = _f("loss-second-moment", choices=("uniform", "loss-second-moment"),
+    timestep_sampler: str = _f("loss-second-moment", choices=("uniform", "loss-second-moment", "grad-norm"),
                                doc="IDDPM's importance sampling: p_t proportional to sqrt(E[L_t^2]) over the "
-                                   "last 10 losses per t, uniform until all are filled.")
+                                   "last 10 losses per t, uniform until all are filled; `grad-norm`: p_t "
+                                   "proportional to sqrt(E|grad L_t|^2) per noise-level bucket, measured by the "
+                                   "introspection's buckets on their steps (needs them on: "
+                                   "docs/INTROSPECTION.md, Balancing the noise levels).")
     label_dropout: float = _f(0.1, min=0.0, max=1.0, doc="Share of labels replaced by the null class "
                                                          "(classifier-free guidance).")
     checkpoint_every: int = _f(500, min=1, doc="Save a resumable checkpoint every k steps (and at the end "
@@ -520,6 +523,12 @@ def _check_cross_field(obj, path: str) -> None:
         raise ParamsError(f"{path}.dump_steps: nothing is dumped without {path}.dump_modules; name the modules "
                           "to dump, e.g. [\"out\"], or set dump_steps: []")
     if isinstance(obj, Params):
+        ip = obj.introspect
+        if obj.train.timestep_sampler == "grad-norm" and (ip.noise_buckets == 0 and not ip.noise_bucket_edges
+                                                         or not (ip.every or ip.steps)):
+            raise ParamsError("train.timestep_sampler: 'grad-norm' learns from the noise-level buckets, which are "
+                              "off (introspect.noise_buckets: 0, or no recorded steps: introspect.every: 0 and "
+                              "steps: []); turn them on or pick another sampler")
         # Introspection steps count completed updates, 1..train.steps; a later one would never be recorded.
         for key in ("steps", "dump_steps"):
             for i, st in enumerate(getattr(obj.introspect, key)):

@@ -86,7 +86,7 @@ def check_introspect_patterns(params: Params, num_classes: int | None) -> None:
 
     from ..model.superres import build_superres
     from ..model.unet import build_unet
-    from ..training.introspect import ActivationGradRecorder, ParamGradRecorder
+    from ..training.recording import gradient_recorders
 
     shape = dict(image_size=params.data.image_size, in_channels=params.data.channels,
                  num_classes=num_classes or 10,  # the class count sizes an embedding, never a name
@@ -94,14 +94,7 @@ def check_introspect_patterns(params: Params, num_classes: int | None) -> None:
     with torch.device("meta"):
         model = build_superres(params.model, params.superres, **shape) if params.superres.low_res else \
             build_unet(params.model, **shape)
-    try:
-        ParamGradRecorder(model.named_parameters(), ip.params)
-    except ValueError as e:
-        raise ParamsError(f"introspect.params: {e}") from None
-    try:
-        ActivationGradRecorder(model, ip.modules, dump_modules=ip.dump_modules).close()
-    except ValueError as e:
-        raise ParamsError(f"introspect.modules: {e}") from None
+    gradient_recorders(model, ip)[1].close()  # the recorders train builds: the same refusals
 
 
 def check_noise_buckets(params: Params) -> None:
@@ -109,8 +102,6 @@ def check_noise_buckets(params: Params) -> None:
     schedule, each bucket expecting 2 examples a step at the global batch (the rule
     `training/noise_levels.py` measures with: `noise_buckets.checked_layout`)."""
     ip, t = params.introspect, params.train
-    if ip.noise_buckets == 0 and not ip.noise_bucket_edges:
-        return  # off
     try:
         checked_layout(schedules.alphas_cumprod(params.diffusion.schedule, params.diffusion.timesteps),
                        buckets=ip.noise_buckets, edges=ip.noise_bucket_edges, space=ip.noise_bucket_space,

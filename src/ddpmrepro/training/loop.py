@@ -40,6 +40,7 @@ from .batches import TrainBatches, TrainExamples, step_seed
 from .code_version import code_version
 from .ema import EMA
 from .learned_weighting import LearnedLossWeight
+from .noise_levels import bucket_layout
 from .noise_scale import NoiseScale
 from .nonfinite import NonfiniteSteps
 from .phema import PowerEMA
@@ -174,7 +175,10 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     ema = EMA(raw_model, p.ema_rates, warmup=p.ema_warmup)
     phema = PowerEMA(raw_model, p.posthoc_ema, count=p.posthoc_ema_snapshots, steps=p.steps,  # EDM2's post-hoc EMA
                      dtype=p.posthoc_ema_dtype)
-    sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps)
+    ip = params.introspect
+    # grad-norm draws by the noise-level buckets that the introspection measures (the same table).
+    buckets = bucket_layout(diffusion.alphas_cumprod, ip, p.batch_per_proc * p.grad_accum * world)
+    sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps, None if buckets is None else buckets[1])
     # Sampler updates are queued and applied just before the next draw: the GPU is never waited for inside a step.
     sampler_updates = DeferredUpdates(sampler)
     nonfinite = NonfiniteSteps(p.on_nonfinite, p.precision, scaler, device)
@@ -189,7 +193,6 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     version = code_version()
     ckpt_dir = paths.checkpoint_root / run_id / version
     # The gradient noise scale from the step's microbatches and ranks (hooks; nothing on one batch a step).
-    ip = params.introspect
     noise_scale = NoiseScale(raw_model, enabled=ip.noise_scale, micro_batch=p.batch_per_proc, grad_accum=p.grad_accum,
                              world=world, halflife_steps=ip.noise_scale_halflife)
     checkpoint = ckpt.CheckpointIO(model=raw_model, optimizer=opt, scaler=scaler, ema=ema, phema=phema,
@@ -281,8 +284,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 if main:  # at train.posthoc_ema_snapshots steps, the last one included, into the run directory
                     phema.snapshot(done, ckpt_dir / "phema", run_hash=run_id)
                 gns_step = noise_scale.after_step(stats, total_norm, recorded=introspection.recording)
-                introspection.end(done, gns_step, total_norm=total_norm, clip_threshold=p.grad_clip, skipped=skipped,
-                                  loss_scale=loss_scale, lr=lr_at(step, p))
+                # grad-norm learns from the buckets measured this step (the same rows on every rank).
+                sampler.update_levels(introspection.end(done, gns_step, total_norm=total_norm, clip_threshold=p.grad_clip,
+                                                        skipped=skipped, loss_scale=loss_scale, lr=lr_at(step, p)))
 
                 # Log: one host copy per log step. Not at a stop: logs stay at the steps an
                 # uninterrupted run logs (the running sums are checkpointed).

@@ -53,10 +53,13 @@ def default_bucket_count(alphas_cumprod: np.ndarray, space: str, batch_per_step:
 
 
 def checked_layout(alphas_cumprod: np.ndarray, *, buckets: int | None, edges: list[float], space: str,
-                   batch_per_step: int) -> tuple[int, np.ndarray, list]:
+                   batch_per_step: int) -> tuple[int, np.ndarray, list] | None:
     """(count, the bucket of every t, spans) of the `introspect:` keys, or ValueError with one line
     naming the key: edges outside the schedule, or a bucket that expects fewer than 2 examples per
-    step at `batch_per_step` under uniform t (its halves each need one)."""
+    step at `batch_per_step` under uniform t (its halves each need one). None where the buckets
+    are off: `noise_buckets: 0`, or null (fit to the batch) at a batch of 1, which no bucket fits."""
+    if buckets == 0 and not edges or buckets is None and not edges and batch_per_step < 2:
+        return None
     ac = np.asarray(alphas_cumprod, dtype=np.float64)
     T = len(ac)
     key = "introspect.noise_bucket_edges" if edges else "introspect.noise_buckets"

@@ -31,44 +31,19 @@ import torch
 
 from ..params import ParamsError
 from ..runtime import distributed as D
+from .noise_buckets import checked_layout
 from .noise_scale import two_batch_estimates
 
 
-def bucket_table(alphas_cumprod: np.ndarray, *, count: int, edges: list[float], space: str) -> tuple[np.ndarray, list]:
-    """(the bucket of every timestep t = 0..T-1, [(lo, hi)] of each bucket in `space`'s units).
-
-    `edges` are the interior edges, ascending, in `space`'s units ("t", or "logsnr":
-    log(ᾱ/(1-ᾱ))); without them, `count` buckets of equal width over the schedule's range. A bucket
-    is [lo, hi). Buckets are numbered from the least noisy: from low t, or from high log-SNR."""
-    T = len(alphas_cumprod)
-    if space == "t":
-        value = np.arange(T, dtype=np.float64)
-        lo, hi = 0.0, float(T)
-    else:
-        value = np.log(alphas_cumprod) - np.log1p(-alphas_cumprod)
-        lo, hi = float(value.min()), float(value.max())
-    inner = list(edges) if edges else [lo + (hi - lo) * k / count for k in range(1, count)]
-    bounds = [lo, *inner, hi]
-    which = np.searchsorted(np.asarray(inner), value, side="right")  # 0 = lowest value
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    if space == "logsnr":  # low log-SNR is high noise: number from the high end
-        which = len(inner) - which
-        spans = spans[::-1]
-    return which.astype(np.int64), spans
-
-
-DEFAULT_BUCKETS = 4
-
-
-def default_bucket_count(alphas_cumprod: np.ndarray, space: str, batch_per_step: int) -> int:
-    """`introspect.noise_buckets: null`: 4 equal buckets, or the most (down to 1, the whole batch, whose
-    halves still give the noise scale) whose every bucket expects 2 examples per step under uniform t."""
-    T = len(alphas_cumprod)
-    for count in range(DEFAULT_BUCKETS, 1, -1):
-        which, _ = bucket_table(alphas_cumprod, count=count, edges=[], space=space)
-        if min(np.bincount(which, minlength=count)) * batch_per_step / T >= 2:
-            return count
-    return 1
+def bucket_layout(alphas_cumprod, ip, batch_per_step: int) -> tuple[int, np.ndarray, list] | None:
+    """(count, the bucket of every t, spans) of the `introspect:` keys at this global batch, None when
+    the buckets are off; a layout with a bucket that cannot hold examples is a one-line ParamsError
+    (`noise_buckets.checked_layout`, the rule check_params refuses with too)."""
+    try:
+        return checked_layout(np.asarray(alphas_cumprod, dtype=np.float64), buckets=ip.noise_buckets,
+                              edges=ip.noise_bucket_edges, space=ip.noise_bucket_space, batch_per_step=batch_per_step)
+    except ValueError as e:
+        raise ParamsError(str(e)) from None
 
 
 class NoiseLevelGradients:
@@ -80,26 +55,11 @@ class NoiseLevelGradients:
 
     def __init__(self, raw_model: torch.nn.Module, alphas_cumprod, ip, *, batch_per_step: int, device):
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
-        key = "introspect.noise_bucket_edges" if ip.noise_bucket_edges else "introspect.noise_buckets"
-        ac = np.asarray(alphas_cumprod, dtype=np.float64)
-        count = len(ip.noise_bucket_edges) + 1 if ip.noise_bucket_edges else \
-            ip.noise_buckets or default_bucket_count(ac, ip.noise_bucket_space, batch_per_step)
-        which, self.spans = bucket_table(ac, count=count, edges=ip.noise_bucket_edges, space=ip.noise_bucket_space)
-        if ip.noise_bucket_edges and ip.noise_bucket_space == "logsnr":
-            top = float(np.log(ac[0]) - np.log1p(-ac[0]))
-            bottom = float(np.log(ac[-1]) - np.log1p(-ac[-1]))
-            if not (bottom < min(ip.noise_bucket_edges) and max(ip.noise_bucket_edges) < top):
-                raise ParamsError(f"{key}: log-SNR edges must lie inside this schedule's range "
-                                  f"({bottom:.3g}, {top:.3g}), got {ip.noise_bucket_edges}")
         # A bucket needs examples every step: 2 at least (its halves), in expectation under uniform t.
-        counts = np.bincount(which, minlength=count)
-        for b, n in enumerate(counts):
-            expected = batch_per_step * n / len(ac)
-            if expected < 2:
-                lo, hi = self.spans[b]
-                raise ParamsError(f"{key}: bucket {b} [{lo:.4g}, {hi:.4g}) holds {n} of {len(ac)} timesteps, "
-                                  f"{expected:.2g} examples per step at the global batch of {batch_per_step}; "
-                                  "it needs 2 or more (widen it, use fewer buckets or a larger batch)")
+        layout = bucket_layout(alphas_cumprod, ip, batch_per_step)
+        if layout is None:
+            raise ValueError("the noise-level buckets are off (introspect.noise_buckets: 0)")
+        count, which, self.spans = layout
         self.bucket_of_t = torch.from_numpy(which).to(device)
         self.count, self.space, self.batch_per_step = count, ip.noise_bucket_space, batch_per_step
         self.size = sum(p.numel() for p in self.params)

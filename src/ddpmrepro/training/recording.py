@@ -17,8 +17,25 @@ import torch
 from ..params import IntrospectParams, ParamsError
 from ..runtime import distributed as D
 from . import introspect
-from .noise_levels import NoiseLevelGradients
+from .noise_levels import NoiseLevelGradients, bucket_layout
 from .noise_scale import NoiseScale
+
+
+def gradient_recorders(raw_model: torch.nn.Module, ip: IntrospectParams):
+    """(the parameter-gradient recorder, the activation-gradient recorder) of `ip`'s patterns, hooks
+    attached; a pattern that matches nothing is a one-line `ParamsError` (check_params builds them on
+    the model on the `meta` device to refuse it before any stage runs)."""
+    try:
+        grads = introspect.ParamGradRecorder(raw_model.named_parameters(), ip.params, update_ratio=ip.update_ratio)
+    except ValueError as e:
+        raise ParamsError(f"introspect.params: {e}") from None
+    try:
+        activations = introspect.ActivationGradRecorder(
+            raw_model, ip.modules, histogram_bins=ip.histogram_bins, dump_steps=ip.dump_steps,
+            dump_modules=ip.dump_modules, dump_max_mb=ip.dump_max_mb, reduction="global")
+    except ValueError as e:
+        raise ParamsError(f"introspect.modules: {e}") from None
+    return grads, activations
 
 
 class Introspection:
@@ -33,20 +50,11 @@ class Introspection:
         # The buckets' extra backward passes on a sparser cadence of their own (docs/INTROSPECTION.md, Cost).
         self.levels_every, self.levels_steps = ip.noise_levels_every, list(ip.steps)
         self.noise_scale, self.stats = noise_scale, stats
+        on = bucket_layout(alphas_cumprod, ip, batch_per_step) is not None
         self.levels = NoiseLevelGradients(raw_model, alphas_cumprod, ip, batch_per_step=batch_per_step,
-                                          device=device) if ip.noise_buckets != 0 or ip.noise_bucket_edges else None
+                                          device=device) if on else None
         self.main = D.is_main()
-        try:
-            self.grads = introspect.ParamGradRecorder(raw_model.named_parameters(), ip.params,
-                                                      update_ratio=ip.update_ratio)
-        except ValueError as e:
-            raise ParamsError(f"introspect.params: {e}") from None
-        try:
-            self.activations = introspect.ActivationGradRecorder(
-                raw_model, ip.modules, histogram_bins=ip.histogram_bins, dump_steps=ip.dump_steps,
-                dump_modules=ip.dump_modules, dump_max_mb=ip.dump_max_mb, reduction="global")
-        except ValueError as e:
-            raise ParamsError(f"introspect.modules: {e}") from None
+        self.grads, self.activations = gradient_recorders(raw_model, ip)
         self.writer = None
         self.recording = self.measuring_levels = False
 
@@ -93,12 +101,13 @@ class Introspection:
         if self.recording and self.main:
             self.grads.capture(done)
 
-    def end(self, done: int, gns_step: tuple[float, float], **step_values) -> None:
+    def end(self, done: int, gns_step: tuple[float, float], **step_values) -> list[dict]:
         """After the update: the recorded rows into the tables (`gns_step`: the noise scale's own
         estimate of this step, NaN where it has none; `step_values`: total_norm, clip_threshold,
-        skipped, loss_scale, lr, for the steps table). A collective on recorded steps: every rank calls it."""
+        skipped, loss_scale, lr, for the steps table). A collective on recorded steps: every rank calls it.
+        Returns this step's noise-level rows, the same on every rank ([] where none were measured)."""
         if not self.recording:
-            return
+            return []
         act_rows = self.activations.collect()
         level_rows, halves = self.levels.finish() if self.measuring_levels else ([], (math.nan, math.nan))
         if not self.noise_scale.requested:  # introspect.noise_scale: false: no gns_* from the halves either
@@ -114,6 +123,7 @@ class Introspection:
             self.writer.add(done, params=param_rows, summary=step_row, activations=act_rows,
                             noise_levels=[{"step": done, **r} for r in level_rows],
                             dumps=self.activations.take_dumps())
+        return level_rows
 
     def flush(self) -> None:
         """The rows so far onto disk (before a checkpoint: a resume drops the rows after its checkpoint)."""

@@ -55,6 +55,10 @@ class UniformSampler:
     def update(self, t: torch.Tensor, losses: torch.Tensor) -> None:
         pass
 
+    def update_levels(self, rows: list[dict]) -> None:
+        """The noise-level buckets' rows of a measured step (`NoiseLevelGradients.finish`); only
+        `GradNormSampler` learns from them."""
+
     def state_dict(self) -> dict:
         return {}
 
