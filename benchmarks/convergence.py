@@ -42,18 +42,30 @@ ACC_THRESHOLDS = (0.80, 0.90, 0.93)
 FID_THRESHOLDS = (4.0, 3.0, 2.5)
 
 
-def weightings(gamma: float) -> tuple[str, str]:
-    """The two runs compared: the reference first, then Min-SNR at `gamma` (--gamma)."""
-    return ("mse_none", f"mse_min_snr{gamma:g}")
+def weightings(gamma: float, method: str = "min_snr") -> tuple[str, str]:
+    """The two runs compared: the reference first, then `method` (--method): Min-SNR at `gamma`
+    (--gamma), EDM2's learned weighting, or the timestep sampler from the gradients."""
+    return ("mse_none", f"mse_min_snr{gamma:g}" if method == "min_snr" else f"mse_{method.replace('-', '_')}")
 
 
 WEIGHTINGS = weightings(5.0)
+# What a run of another method may set, put back for every run (`dvc exp run` keeps the last run's params).
+RESET = {"introspect.every": 0, "introspect.noise_levels_every": 250, "introspect.noise_buckets": "null"}
+EXTRA = {  # the methods of issue 39
+    "mse_learned": {"diffusion.loss_weighting": "learned", "train.timestep_sampler": "uniform"},
+    # grad-norm learns from the noise-level buckets: 8 of them (4 are no better than IDDPM's sampler at one
+    # model, docs/INTROSPECTION.md), measured every 10 steps
+    "mse_grad_norm": {"diffusion.loss_weighting": "none", "train.timestep_sampler": "grad-norm",
+                      "introspect.every": 10, "introspect.noise_levels_every": 1, "introspect.noise_buckets": 8},
+}
 
 
 def config(name: str) -> dict:
-    """The -S overrides of a weighting (gradient_study's, or Min-SNR at another γ)."""
+    """The -S overrides of a weighting (gradient_study's, issue 39's, or Min-SNR at another γ)."""
     if name in CONFIGS:
         return CONFIGS[name]
+    if name in EXTRA:
+        return EXTRA[name]
     return {"diffusion.loss_weighting": "min_snr", "diffusion.min_snr_gamma": float(name.removeprefix("mse_min_snr")),
             "train.timestep_sampler": "uniform"}
 
@@ -61,7 +73,7 @@ def config(name: str) -> dict:
 def command(a) -> str:
     return (f"PYTHONPATH=src python benchmarks/convergence.py --workdir DIR --steps {a.steps} --every {a.every} "
             f"--seeds {' '.join(map(str, a.seeds))}" + (f" --anneal {a.anneal}" if a.anneal != "none" else "")
-            + (f" --gamma {a.gamma:g}" if a.gamma != 5 else ""))
+            + (f" --gamma {a.gamma:g}" if a.gamma != 5 else "") + (f" --method {a.method}" if a.method != "min_snr" else ""))
 
 
 def steps_to(curve: list[tuple[int, dict]], key: str, threshold: float, higher_is_better: bool):
@@ -145,6 +157,9 @@ def main() -> None:
                     help="train.anneal: with a decay, a point before the end is a model still at a high rate, "
                          "so compare the last points (--every = --steps evaluates only the end)")
     ap.add_argument("--gamma", type=float, default=5.0, help="Min-SNR's γ (diffusion.min_snr_gamma)")
+    ap.add_argument("--method", default="min_snr", choices=("min_snr", "learned", "grad-norm"),
+                    help="what is compared with none: Min-SNR at --gamma, diffusion.loss_weighting: learned, or "
+                         "train.timestep_sampler: grad-norm")
     ap.add_argument("--resume", action="store_true",
                     help="skip a (weighting, seed) whose curve is kept in WORKDIR/runs already")
     ap.add_argument("--summarise", action="store_true", help="only the tables and picture of the runs kept")
@@ -152,12 +167,15 @@ def main() -> None:
     if a.steps % a.every:
         sys.exit("--steps must be a multiple of --every (the snapshot steps)")
     keep = a.workdir / "runs"
-    names = weightings(a.gamma)
+    names = weightings(a.gamma, a.method)
     if not a.summarise:
         env = study_env(a.workdir)
         repo = make_repo(a.workdir, a.steps, env, extra={
-            "train": {"anneal": a.anneal, "posthoc_ema": [0.05, EMA_LENGTH], "posthoc_ema_snapshots": a.steps // a.every},
-            "introspect": {"every": 0},  # no gradient tables: the noise scale comes from the microbatches
+            # fp32 snapshots: the studies before the fp16 default were made so; every point is then comparable
+            "train": {"anneal": a.anneal, "posthoc_ema": [0.05, EMA_LENGTH], "posthoc_ema_snapshots": a.steps // a.every,
+                      "posthoc_ema_dtype": "fp32"},
+            # no gradient tables: the noise scale comes from the microbatches (grad-norm's runs record some)
+            "introspect": {"every": 0, "noise_levels_every": 250, "noise_buckets": None},
             "evaluate": {"bpd_images": 0}})
         points = list(range(a.every, a.steps + 1, a.every))
         for seed in a.seeds:  # seeds outermost: a run cut short still has both weightings of the first seeds
@@ -166,7 +184,7 @@ def main() -> None:
                 if a.resume and (run / "curve.json").exists():
                     continue
                 t0, curve = time.perf_counter(), []
-                base = {**BASE, **config(name), "train.seed": seed, "sample.ema_length": EMA_LENGTH}
+                base = {**BASE, **RESET, **config(name), "train.seed": seed, "sample.ema_length": EMA_LENGTH}
                 for step in points[::-1]:  # the last first: that run trains, the others only sample
                     sets = {**base, "sample.ema_step": 0 if step == a.steps else step}
                     sh(repo, "dvc", "exp", "run", "-n", f"{name}-s{seed}-at{step}",
