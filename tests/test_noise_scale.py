@@ -365,17 +365,25 @@ def test_the_default_bucket_count_fits_the_batch_and_params_never_refuse_it(batc
                  "introspect": {"noise_bucket_space": space}})
 
 
-def recorded_step(tmp_path, model, ip, *, noise_scale_on: bool, batch: int = 16, done: int = 1, last: int = 1):
-    """One recorded step as the loop drives the instruments (1 process, no accumulation): the log's
-    gns_* values and the steps table."""
-    from ddpmrepro.training.introspect import read_table
+def introspection_of(model, ip, *, last: int, batch: int, noise_scale_on: bool = True):
+    """(the log's running stats, the noise scale, the Introspection) of one process and one microbatch a
+    step, as the loop builds them."""
     from ddpmrepro.training.recording import Introspection
 
-    x0, t, noise = example_set(batch)
     stats = RunningStats({"gns_small_sq": 1, "gns_big_sq": 1, "gns_g2": 1, "gns_trace": 1}, torch.device("cpu"))
     ns = NoiseScale(model, enabled=noise_scale_on, micro_batch=batch, grad_accum=1, world=1, halflife_steps=100)
     intro = Introspection(model, ip, last_step=last, alphas_cumprod=DIFFUSION.alphas_cumprod, batch_per_step=batch,
                           noise_scale=ns, stats=stats, device=torch.device("cpu"))
+    return stats, ns, intro
+
+
+def recorded_step(tmp_path, model, ip, *, noise_scale_on: bool, batch: int = 16, done: int = 1, last: int = 1):
+    """One recorded step as the loop drives the instruments (1 process, no accumulation): the log's
+    gns_* values and the steps table."""
+    from ddpmrepro.training.introspect import read_table
+
+    x0, t, noise = example_set(batch)
+    stats, ns, intro = introspection_of(model, ip, last=last, batch=batch, noise_scale_on=noise_scale_on)
     intro.open_tables(tmp_path, 0)
     with intro, ns:
         intro.begin(done, 1.0)
@@ -414,15 +422,11 @@ def test_the_buckets_measure_on_their_own_cadence_and_nothing_on_the_other_recor
     `steps` and on the last step; their rows are those steps'."""
     from ddpmrepro.params import IntrospectParams
     from ddpmrepro.training.introspect import read_table
-    from ddpmrepro.training.recording import Introspection
 
     model = tiny_model()
     x0, t, noise = example_set(16)
     ip = IntrospectParams(every=1, steps=[2], noise_buckets=2, noise_levels_every=3, modules=["out"])
-    stats = RunningStats({"gns_small_sq": 1, "gns_big_sq": 1, "gns_g2": 1, "gns_trace": 1}, torch.device("cpu"))
-    ns = NoiseScale(model, enabled=True, micro_batch=16, grad_accum=1, world=1, halflife_steps=100)
-    intro = Introspection(model, ip, last_step=7, alphas_cumprod=DIFFUSION.alphas_cumprod, batch_per_step=16,
-                          noise_scale=ns, stats=stats, device=torch.device("cpu"))
+    stats, ns, intro = introspection_of(model, ip, last=7, batch=16)
     passes = []
     measure = intro.levels.measure
     monkeypatch.setattr(intro.levels, "measure", lambda *a, **kw: (passes.append(done), measure(*a, **kw)))
