@@ -442,3 +442,17 @@ def test_sampler_variance_benchmark_writes_each_samplers_trace_and_ratio(tmp_pat
         assert seed["ratio_to_uniform"][name] == pytest.approx(tr / seed["trace"]["uniform"])
         assert r["ratio_to_uniform"][name]["median"] == pytest.approx(seed["ratio_to_uniform"][name])
     assert len(seed["levels"]) == len(seed["second_moment_judge"]) == 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("section", ["defaults", "vjp"])
+def test_introspect_overhead_sections_run_at_their_quick_size_and_write_their_spread(tmp_path, section):
+    out = tmp_path / f"{section}.json"
+    printed = run("introspect_overhead.py", "--section", section, "--quick", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["section"] == section and r["quick"] is True and "--section " + section in r["command"]
+    assert json.loads(printed[printed.index("{"):])  # the summary it prints is the JSON's
+    if section == "defaults":
+        ratios = r["timing"]["ratio_cpu"]
+        assert all(set(v) >= {"median", "min", "max"} for v in ratios.values())
+        assert set(r["projected_by_noise_levels_every"])
