@@ -194,18 +194,22 @@ def test_failed_job_keeps_the_git_tracked_outputs(repo):
     tracked = {p: (repo / p).read_bytes()
                for p in run(repo, "git", "ls-files", "metrics.json", "reports/train/live").stdout.split()}
     assert "metrics.json" in tracked and "reports/train/live/plots/metrics/loss.tsv" in tracked
-    # A valid params.yaml (a bad one stops Snakemake before any job) whose pattern matches no parameter
-    # of the model: train exits 2 at startup, after DVC removed the stage's outputs.
-    set_params(repo, introspect={"params": ["no_such_layer.*"]})
+    # A valid params.yaml (a bad one, or one a later stage would refuse of itself, stops Snakemake before
+    # any job: check_params) naming a published checkpoint that is damaged: only the train job can
+    # find out, and it exits 1 at startup, after DVC removed the stage's outputs.
+    broken = repo / "models/published/broken.pt"
+    broken.write_bytes(b"not a checkpoint" * 64)
+    set_params(repo, train={"import_from": "models/published/broken.pt"})
     out = snakemake(repo, "--retries", "0", check=False)
     assert job_info(submitted(out)["train"])["JobState"] == "FAILED", out[-3000:]
-    assert "matches no parameter" in (repo / "logs/dvc/train.log").read_text()
+    assert "Error: models/published/broken.pt: " in (repo / "logs/dvc/train.log").read_text()
     changed = sorted(line[3:] for line in run(repo, "git", "status", "--porcelain").stdout.splitlines())
     # check_params ran (a local rule) and DVC recorded it; the train stage's record is as it was
-    assert changed == ["dvc.lock", "params.yaml", "reports/params/introspect.yaml"], changed
+    assert changed == ["dvc.lock", "models/published/broken.pt", "params.yaml", "reports/params/train.yaml"], changed
     committed_lock = yaml.safe_load(run(repo, "git", "show", "HEAD:dvc.lock").stdout)
     assert yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["train"] == committed_lock["stages"]["train"]
     assert {p: (repo / p).read_bytes() for p in tracked} == tracked
+    broken.unlink()
     run(repo, "git", "checkout", "dvc.lock", "params.yaml", "reports/params")
 
 
