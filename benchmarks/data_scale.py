@@ -269,13 +269,15 @@ def _timed_shards():
 
 
 class InMemoryBatches:
-    """The previous code's path: the whole split as one in-memory tensor, `images[idx]` when asked."""
+    """The previous code's path: the whole split as one in-memory tensor, `images[idx]` when asked (and
+    the examples' draws on the asking thread)."""
 
     images = None  # set once per N, outside the timed blocks
 
-    def __init__(self, images, *, batch_size, world, rank, seed, device=None):
+    def __init__(self, images, *, batch_size, world, rank, seed, device=None, prepare=None):
         from ddpmrepro.training.batches import epoch_order
 
+        self.prepare = prepare  # the examples' draws: made here, on the training thread, as the previous code did
         self.order, self.batch_size, self.n, self.seed = epoch_order, batch_size, len(images), seed
         self.per_epoch = (self.n // world) // batch_size
         self.world, self.rank, self.cache = world, rank, None
@@ -286,7 +288,8 @@ class InMemoryBatches:
         if self.cache is None or self.cache[0] != epoch:
             self.cache = (epoch, self.order(self.n, self.world, self.rank, self.seed, epoch))
         idx = self.cache[1][pos * self.batch_size:(pos + 1) * self.batch_size]
-        return idx, InMemoryBatches.images[idx]
+        rows = InMemoryBatches.images[idx]
+        return (idx, rows) if self.prepare is None else self.prepare(micro, idx, rows)
 
     def __enter__(self):
         return self
