@@ -377,6 +377,20 @@ def introspection_of(model, ip, *, last: int, batch: int, noise_scale_on: bool =
     return stats, ns, intro
 
 
+def instrumented_step(model, stats, ns, intro, done: int, x0, t, noise) -> bool:
+    """One training step's instrument calls, in the loop's order (no optimizer step); whether it was recorded."""
+    recording = intro.begin(done, 1.0)
+    losses = per_example_losses(model, x0, t, noise)
+    intro.measure(losses, t, grad_multiplier=1.0, loss_scale=1.0)
+    losses.mean().backward()
+    ns.after_backward(1.0)
+    intro.capture(done)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+    intro.end(done, ns.after_step(stats, total, recorded=intro.recording), total_norm=total, clip_threshold=1.0,
+              skipped=False, loss_scale=1.0, lr=1e-3)
+    return recording
+
+
 def recorded_step(tmp_path, model, ip, *, noise_scale_on: bool, batch: int = 16, done: int = 1, last: int = 1):
     """One recorded step as the loop drives the instruments (1 process, no accumulation): the log's
     gns_* values and the steps table."""
@@ -386,15 +400,7 @@ def recorded_step(tmp_path, model, ip, *, noise_scale_on: bool, batch: int = 16,
     stats, ns, intro = introspection_of(model, ip, last=last, batch=batch, noise_scale_on=noise_scale_on)
     intro.open_tables(tmp_path, 0)
     with intro, ns:
-        intro.begin(done, 1.0)
-        losses = per_example_losses(model, x0, t, noise)
-        intro.measure(losses, t, grad_multiplier=1.0, loss_scale=1.0)
-        losses.mean().backward()
-        ns.after_backward(1.0)
-        intro.capture(done)
-        total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
-        gns_step = ns.after_step(stats, total, recorded=intro.recording)
-        intro.end(done, gns_step, total_norm=total, clip_threshold=1.0, skipped=False, loss_scale=1.0, lr=1e-3)
+        instrumented_step(model, stats, ns, intro, done, x0, t, noise)
     intro.close()
     model.zero_grad(set_to_none=True)
     return ns.log_values(stats.means(), steps_in_window=1), read_table(tmp_path, "steps"), \
@@ -433,15 +439,7 @@ def test_the_buckets_measure_on_their_own_cadence_and_nothing_on_the_other_recor
     intro.open_tables(tmp_path, 0)
     with intro, ns:
         for done in range(1, 8):
-            assert intro.begin(done, 1.0)
-            losses = per_example_losses(model, x0, t, noise)
-            intro.measure(losses, t, grad_multiplier=1.0, loss_scale=1.0)
-            losses.mean().backward()
-            ns.after_backward(1.0)
-            intro.capture(done)
-            total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
-            intro.end(done, ns.after_step(stats, total, recorded=True), total_norm=total, clip_threshold=1.0,
-                      skipped=False, loss_scale=1.0, lr=1e-3)
+            assert instrumented_step(model, stats, ns, intro, done, x0, t, noise)
             model.zero_grad(set_to_none=True)
     intro.close()
     assert passes == [2, 3, 6, 7]
