@@ -77,14 +77,17 @@ def test_an_upsampler_samples_the_test_split_reproducibly_and_is_scored_beside_b
     assert np.array_equal(s["labels"], labels[s["source_index"]])
     blocks = truth.astype(np.float64).reshape(20, 1, 4, 2, 4, 2).mean(axis=(3, 5))
     assert np.abs(s["low_res"] - np.clip(np.round(blocks), 0, 255)).max() <= 1  # (model range rounding)
-    # image k depends on (seed, k) only: another batch size gives the same images
+    # image k depends on (seed, k) only: another batch size gives the same images, up to float rounding:
+    # on some CPUs oneDNN's convolutions round differently at another batch size (an AMD EPYC, 2026-11-28:
+    # 1 pixel of 1,280 one level apart), where a draw that depended on the batch would move most pixels far
     p2 = yaml.safe_load((trained / "params.yaml").read_text())
     p2["sample"]["batch_size"] = 3
     (tmp_path / "p2.yaml").write_text(yaml.safe_dump(p2))
     cli("sample-superres", "--params", str(tmp_path / "p2.yaml"), "--model", str(trained / "model"),
         "--data", str(trained / "data"), "--out", str(tmp_path / "s3"))
     with np.load(tmp_path / "s3" / "samples.npz") as z:
-        assert np.array_equal(z["images"], s["images"])
+        apart = np.abs(z["images"].astype(int) - s["images"].astype(int))
+        assert apart.max() <= 1 and (apart > 0).mean() <= 0.01, (apart.max(), (apart > 0).sum())
     # scored beside bicubic upsampling of the same inputs
     out = cli("evaluate-superres", "--params", str(trained / "params.yaml"), "--samples", str(tmp_path / "s"),
               "--data", str(trained / "data"), "--evaluator", str(trained / "evaluator"),
