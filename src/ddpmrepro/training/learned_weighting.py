@@ -44,14 +44,9 @@ import torch
 from torch import nn
 
 from ..runtime import distributed as D
+from .noise_buckets import log_snr
 
 FEATURES = 128  # EDM2's logvar_channels
-
-
-def log_snr(alphas_cumprod) -> torch.Tensor:
-    """lambda_t = log(alpha_bar_t / (1 - alpha_bar_t)), (T,) float32, computed in float64."""
-    ac = np.asarray(alphas_cumprod, dtype=np.float64)
-    return torch.from_numpy(np.log(ac) - np.log1p(-ac)).float()
 
 
 class LearnedLossWeight(nn.Module):
@@ -65,7 +60,7 @@ class LearnedLossWeight(nn.Module):
         """
         super().__init__()
         g = torch.Generator().manual_seed(int(seed))
-        self.register_buffer("logsnr", log_snr(alphas_cumprod))  # (T,)
+        self.register_buffer("logsnr", torch.from_numpy(log_snr(alphas_cumprod)).float())  # (T,), from float64
         self.register_buffer("freqs", torch.randn(features, generator=g))  # (F,)
         self.register_buffer("phases", torch.rand(features, generator=g))  # (F,)
         self.weight = nn.Parameter(torch.zeros(features))
@@ -86,6 +81,15 @@ class LearnedLossWeight(nn.Module):
         to it for the objective. "mse" and "vb" are returned as they came."""
         u = self(t)
         return {**losses, "loss": losses["mse"] * torch.exp(-u) + losses["vb"], "u": u}
+
+    @staticmethod
+    def objective(losses: dict) -> torch.Tensor:
+        """Per example, what the backward pass takes (before the importance weights): L_t / exp(u_t) + u_t."""
+        return losses["loss"] + losses["u"]
+
+    def checkpoint_entries(self) -> dict:
+        """What `CheckpointIO` holds of it: its weights (its AdamW state is the optimizer's)."""
+        return {"loss_weight": self}
 
     @torch.no_grad()
     def all_reduce_grads(self) -> None:
@@ -116,4 +120,39 @@ class LearnedLossWeight(nn.Module):
         return [{"step": step, "t": int(i), "logsnr": float(self.logsnr[i]), "u": float(u[i])} for i in ts]
 
 
-__all__ = ["LearnedLossWeight", "log_snr", "FEATURES"]
+class Unweighted:
+    """Every `diffusion.loss_weighting` but `learned` (they are the diffusion's own weights): the
+    loop's calls are the identity or nothing, so the loop has one path for both."""
+
+    def weigh(self, losses: dict, t: torch.Tensor) -> dict:
+        return losses
+
+    @staticmethod
+    def objective(losses: dict) -> torch.Tensor:
+        return losses["loss"]
+
+    def checkpoint_entries(self) -> dict:
+        return {}
+
+    def all_reduce_grads(self) -> None:
+        pass
+
+    def rows(self, step: int) -> list[dict]:
+        return []
+
+    def export(self) -> None:
+        return None
+
+
+def loss_weighting(name: str, alphas_cumprod, *, seed: int, optimizer: torch.optim.Optimizer, device):
+    """The loop's loss weighting for `diffusion.loss_weighting` `name`: `learned` on `device`, its
+    parameters an AdamW group of their own without weight decay (decay would pull u towards 0), or
+    `Unweighted`."""
+    if name != "learned":
+        return Unweighted()
+    weighting = LearnedLossWeight(alphas_cumprod, seed=seed).to(device)
+    optimizer.add_param_group({"params": list(weighting.parameters()), "weight_decay": 0.0})
+    return weighting
+
+
+__all__ = ["LearnedLossWeight", "Unweighted", "loss_weighting", "FEATURES"]

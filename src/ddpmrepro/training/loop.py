@@ -39,7 +39,7 @@ from . import checkpoint as ckpt
 from .batches import TrainBatches, TrainExamples, step_seed
 from .code_version import code_version
 from .ema import EMA
-from .learned_weighting import LearnedLossWeight
+from .learned_weighting import loss_weighting
 from .noise_levels import bucket_layout
 from .noise_scale import NoiseScale
 from .nonfinite import NonfiniteSteps
@@ -165,11 +165,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     # One fused kernel per step on GPUs; the multi-tensor (foreach) path elsewhere.
     opt = torch.optim.AdamW(raw_model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
                             **({"fused": True} if device.type == "cuda" else {"foreach": True}))
-    # EDM2's learned loss weighting u(t): its own AdamW group, no weight decay (learned_weighting.py).
-    weighting = None
-    if params.diffusion.loss_weighting == "learned":
-        weighting = LearnedLossWeight(diffusion.alphas_cumprod.numpy(), seed=p.seed).to(device)
-        opt.add_param_group({"params": list(weighting.parameters()), "weight_decay": 0.0})
+    # EDM2's learned loss weighting u(t) (learned_weighting.py), or the diffusion's own weights as they are.
+    weighting = loss_weighting(params.diffusion.loss_weighting, diffusion.alphas_cumprod.numpy(), seed=p.seed,
+                               optimizer=opt, device=device)
     scaler = torch.amp.GradScaler(device.type, enabled=p.precision == "fp16")
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(p.precision)
     ema = EMA(raw_model, p.ema_rates, warmup=p.ema_warmup)
@@ -197,7 +195,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                              world=world, halflife_steps=ip.noise_scale_halflife)
     checkpoint = ckpt.CheckpointIO(model=raw_model, optimizer=opt, scaler=scaler, ema=ema, phema=phema,
                                    sampler=sampler, nonfinite=nonfinite, log_sums=stats, noise_scale=noise_scale,
-                                   summary=last, **({"loss_weight": weighting} if weighting is not None else {}))
+                                   summary=last, **weighting.checkpoint_entries())
     # The recorders' patterns and the noise-level buckets are checked here, before anything is written.
     introspection = Introspection(raw_model, ip, last_step=p.steps, alphas_cumprod=diffusion.alphas_cumprod,
                                   batch_per_step=p.batch_per_proc * p.grad_accum * world, noise_scale=noise_scale,
@@ -252,10 +250,9 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     sync = contextlib.nullcontext() if (micro == p.grad_accum - 1 or world == 1) else model.no_sync()
                     with sync:
                         losses = diffusion.training_losses(model_fn, mb.x0, mb.t, noise=mb.noise)
-                        if weighting is not None:  # "loss" becomes mse / exp(u) + vb; u is added below
-                            losses = weighting.weigh(losses, mb.t)
+                        losses = weighting.weigh(losses, mb.t)  # learned: "loss" = mse / exp(u) + vb, and u
                         sampler_updates.add(mb.t, losses["loss"])
-                        weighted = (losses["loss"] + losses["u"] if weighting is not None else losses["loss"]) * mb.weights
+                        weighted = weighting.objective(losses) * mb.weights
                         # Recorded steps: each noise level's part of the gradient (extra passes, same graph).
                         introspection.measure(weighted, mb.t, grad_multiplier=1 / p.grad_accum, loss_scale=loss_scale)
                         loss = weighted.mean() / p.grad_accum
@@ -268,8 +265,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     stats.report("loss_q", losses["loss"], finite,
                                  group=(mb.t * 4 // diffusion.num_timesteps).clamp(max=3))
 
-                if weighting is not None:  # not under DDP: its gradient is averaged over ranks here
-                    weighting.all_reduce_grads()
+                weighting.all_reduce_grads()  # u is not under DDP: its gradient is averaged over ranks here
                 # Unscale, measure, clip, step; a non-finite step is skipped or stops the run (nonfinite.py).
                 scaler.unscale_(opt)
                 introspection.capture(done)  # after all-reduce and unscale; before clipping, which scales in place
@@ -302,8 +298,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                                     "loss_scale": loss_scale, "skipped_steps": nonfinite.skipped_steps,
                                     "images_per_sec": train_log.throughput(done), **gns}
                     train_log.log(done, last.summary)
-                    if weighting is not None and introspection.writer is not None:  # u(t), on rank 0
-                        introspection.writer.add(done, loss_weight=weighting.rows(done))
+                    introspection.add_rows(done, loss_weight=weighting.rows(done))  # u(t), if learned
 
                 # Checkpoint atomically every k steps, at the end, and when asked to stop.
                 if save_now:
@@ -329,7 +324,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             introspection.close()
             train_log.end()
             _export(paths.model_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary,
-                    snapshots=ckpt_dir / "phema", loss_weight=weighting.export() if weighting is not None else None)
+                    snapshots=ckpt_dir / "phema", loss_weight=weighting.export())
             files.copy_dir(ckpt_dir / "live", paths.live_dir)
             files.copy_dir(ckpt_dir / "introspect", paths.introspect_dir)
         D.barrier()

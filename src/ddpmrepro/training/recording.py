@@ -125,6 +125,12 @@ class Introspection:
                             dumps=self.activations.take_dumps())
         return level_rows
 
+    def add_rows(self, done: int, **tables: list[dict]) -> None:
+        """Rows the loop measures itself (e.g. `loss_weight`), into the tables on rank 0; empty ones skipped."""
+        tables = {name: rows for name, rows in tables.items() if rows}
+        if self.writer is not None and tables:
+            self.writer.add(done, **tables)
+
     def flush(self) -> None:
         """The rows so far onto disk (before a checkpoint: a resume drops the rows after its checkpoint)."""
         if self.writer is not None:
