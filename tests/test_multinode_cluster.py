@@ -40,6 +40,7 @@ import torch
 import yaml
 
 from ddpmrepro.files import load_weights
+from frozen import frozen, run_in_slices, term_delivered
 from project_copy import copy_project
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,15 +215,6 @@ def host_of(pid: int) -> str:
     return subprocess.run(["nsenter", "-t", str(pid), "--uts", "hostname"], capture_output=True, text=True).stdout.strip()
 
 
-def term_delivered(pid: int) -> bool:
-    """SIGTERM is pending for the frozen process, or it has exited."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return any(int(m, 16) >> 14 & 1 for m in re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)", status, re.M))
-
-
 # --- Snakemake ------------------------------------------------------------------------------------
 def test_the_snakemake_profile_trains_on_two_nodes(repo, reference):
     """docs/CLUSTER.md section 3's recipe on CPU nodes, typed on the controller host: one job of
@@ -322,32 +314,28 @@ def test_two_node_training_stopped_twice_requeues_itself_and_ends_bitwise_equal(
     job = proc.stdout.strip()
 
     def stop(restarts: int, after: str) -> str:
-        """Freezes both workers once a step is logged after `after`, has SLURM send SIGTERM, lets
-        them go on once it is pending (the freeze only takes the training's speed out of the test),
-        and waits until the job has requeued itself; returns the log of the part that was stopped."""
-        wait_for(lambda: log.exists() and re.search(rf"{after}(.*\n)*step [1-9]\d*/", log.read_text()),
-                 f"a step after '{after}' in the log")
+        """Freezes both workers as soon as they run, lets them run in short slices until a step is
+        logged after `after` (tests/frozen.py: however fast they train), has SLURM send SIGTERM,
+        lets them go on once it is pending, and waits until the job has requeued itself; returns
+        the log of the part that was stopped."""
         pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(procs_of(repo, "", workers=True)),
                         "both workers")
-        assert {host_of(p) for p in pids} == {"node1", "node2"}
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+        with frozen(pids):
+            assert {host_of(p) for p in pids} == {"node1", "node2"}
+            run_in_slices(pids, lambda: log.exists() and re.search(rf"{after}(.*\n)*step [1-9]\d*/", log.read_text()),
+                          f"a step after '{after}' in the log")
             on("ctl", "scancel", "--signal=TERM", job, repo=repo)
             wait_for(lambda: all(term_delivered(p) for p in pids), "SLURM's SIGTERM at both workers")
-        finally:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
         wait_for(lambda: job_info(repo, job)["Restarts"] == str(restarts), f"restart {restarts} of job {job}")
         part = (repo / f"logs/dvc/train.slurm-{job}-{restarts - 1}.log").read_text()
         assert f"requeueing SLURM job {job}" in part, part[-2000:]
         # Requeued, SLURM holds the job for about two minutes before it may start again: not here.
         wait_for(lambda: job_info(repo, job)["JobState"] == "PENDING", f"job {job} pending again")
         # Started again within the second of its requeue, the job's new credential counts as revoked
-        # with the old one ("Killing non-startable batch job: Job credential revoked").
+        # with the old one ("Killing non-startable batch job: Job credential revoked"): the nodes done
+        # with the old part (slurmd revokes it then), then a later second.
+        wait_for(lambda: "completing" not in on("ctl", "sinfo", "-h", "-o", "%T", repo=repo).stdout,
+                 "the nodes done with the old part")
         time.sleep(2)
         on("ctl", "scontrol", "update", f"JobId={job}", "StartTime=now", repo=repo)
         return part

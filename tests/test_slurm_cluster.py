@@ -37,6 +37,7 @@ import torch
 import yaml
 
 from ddpmrepro.files import load_weights
+from frozen import frozen, run_in_slices, term_delivered
 from project_copy import copy_project
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,12 +229,12 @@ def test_requests_no_node_can_run_and_a_blind_status_source_stop_the_run_at_once
 
 
 # --- preemption -----------------------------------------------------------------------------------
-def find_training(repo: Path) -> int:
-    """The pid of the `ddpmrepro train` process that DVC started in this repo (train.nproc 1).
-    DVC runs the stage's command with $SHELL, or /bin/sh where SHELL is unset (as in CI); dash,
-    unlike bash, does not exec the command, so a `/bin/sh -c "... ddpmrepro.cli train ..."` stays
-    above the training. That shell ignores SIGTERM (dvc_stage.sh's trap, inherited): freezing it
-    instead of the training waits for a signal that can never be pending."""
+def find_training(repo: Path) -> int | None:
+    """The pid of the `ddpmrepro train` process that DVC started in this repo (train.nproc 1), if
+    it runs. DVC runs the stage's command with $SHELL, or /bin/sh where SHELL is unset (as in CI);
+    dash, unlike bash, does not exec the command, so a `/bin/sh -c "... ddpmrepro.cli train ..."`
+    stays above the training. That shell ignores SIGTERM (dvc_stage.sh's trap, inherited):
+    freezing it instead of the training waits for a signal that can never be pending."""
     for pid in subprocess.run(["pgrep", "-f", "ddpmrepro.cli train --data"], capture_output=True,
                               text=True).stdout.split():
         try:
@@ -242,16 +243,14 @@ def find_training(repo: Path) -> int:
                 return int(pid)
         except OSError:
             continue
-    raise AssertionError("no training process found")
+    return None
 
 
-def term_delivered(pid: int) -> bool:
-    """SIGTERM is pending for the frozen process, or SLURM woke it (SIGCONT) with it and it has exited."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return any(int(m, 16) >> 14 & 1 for m in re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)", status, re.M))
+def kill_processes_in(repo: Path) -> None:
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            if d.name.isdigit() and int(d.name) != os.getpid() and (d / "cwd").resolve() == repo.resolve():
+                os.kill(int(d.name), signal.SIGKILL)
 
 
 def signal_diagnosis(pid: int, job: str, log: Path) -> str:
@@ -287,30 +286,34 @@ def wait_for(cond, what: str, timeout: float = 600):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def stop_with(repo: Path, job: str, send_term, restarts: int) -> str:
-    """Freezes the running training, has SLURM send SIGTERM (send_term), lets the training go on
-    once the signal is pending, and waits until the job has requeued itself. The freeze only takes
-    the training's speed out of the test: SLURM's TERM@120 comes at its own pace (it checks every
-    30 s). Returns the log of the part of the training that was stopped."""
+def stop_with(repo: Path, job: str, send_term, restarts: int, after: str) -> str:
+    """Freezes the training as soon as its process runs, lets it run in short slices until a step
+    is logged after `after` (tests/frozen.py: however fast it trains), has SLURM send SIGTERM
+    (send_term), lets the training go on once the signal is pending, and waits until the job has
+    requeued itself. SLURM's TERM@120 comes at its own pace (it checks every 30 s): the freeze
+    takes the training's speed out of the test. Returns the log of the part that was stopped."""
     log = repo / "logs/dvc/train.log"
-    wait_for(lambda: re.search(r"^step [1-9]\d*/", log.read_text(), re.M) if log.exists() else None,
-             "the training's first logged step")
-    pid = find_training(repo)
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    pid = wait_for(lambda: find_training(repo), f"the training process of SLURM job {job}")
+    with frozen([pid]):
+        run_in_slices([pid], lambda: log.exists() and re.search(rf"{after}(.*\n)*step [1-9]\d*/", log.read_text()),
+                      f"a step logged after '{after}'")
         send_term()
         try:
             wait_for(lambda: term_delivered(pid), "SLURM's SIGTERM", timeout=300)
         except AssertionError as e:  # with what the process tree and SLURM looked like
             raise AssertionError(f"{e}\n{signal_diagnosis(pid, job, log)}") from None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
     wait_for(lambda: job_info(job)["Restarts"] == str(restarts), f"restart {restarts} of job {job}")
     part = (repo / f"logs/dvc/train.slurm-{job}-{restarts - 1}.log").read_text()
     assert f"requeueing SLURM job {job}" in part, part[-2000:]
-    # Once requeued (PENDING), SLURM holds the job for about two minutes before it may start again: not here.
+    # Once requeued (PENDING), SLURM holds the job for about two minutes before it may start again: not
+    # here. But slurmd revokes the job's credential when it ends the old part, to the second: a part
+    # started in that second was killed at once as "non-startable: Job credential revoked" while its
+    # batch script ran on, outside the job (a CI run, and this test with the 2-node cluster up).
+    # So: the node done with the old part (not COMPLETING), then a later second.
     wait_for(lambda: job_info(job)["JobState"] == "PENDING", f"job {job} pending again")
+    wait_for(lambda: "completing" not in subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%T"], capture_output=True,
+                                                         text=True, check=True).stdout, "the node done with the old part")
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
     return part
 
@@ -367,15 +370,14 @@ def test_training_stopped_by_scancel_and_by_its_time_limit_requeues_and_resumes_
     try:
         job = wait_for(lambda: submitted(out_path.read_text()).get("train"), "the train job")
         # 1. scancel --signal=TERM, as a user or a preemption would
-        first = stop_with(repo, job, lambda: subprocess.run(["scancel", "--signal=TERM", job], check=True), 1)
+        first = stop_with(repo, job, lambda: subprocess.run(["scancel", "--signal=TERM", job], check=True), 1,
+                          after="Running stage 'train'")
 
         # 2. the time limit, brought forward so that TERM@120 is due at SLURM's next checks
         def time_limit_near():
             elapsed = seconds(job_info(job)["RunTime"])
             subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={-(-(elapsed + 121) // 60)}"], check=True)
-        log = repo / "logs/dvc/train.log"
-        wait_for(lambda: log.exists() and "resuming from" in log.read_text(), "the first resume")
-        second = stop_with(repo, job, time_limit_near, 2)
+        second = stop_with(repo, job, time_limit_near, 2, after="resuming from")
         subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=30"], check=True)
         assert proc.wait(timeout=1800) == 0, out_path.read_text()[-3000:]
     finally:
@@ -383,6 +385,9 @@ def test_training_stopped_by_scancel_and_by_its_time_limit_requeues_and_resumes_
             os.killpg(proc.pid, signal.SIGKILL)
             if job:
                 subprocess.run(["scancel", job])
+            # What SLURM no longer counts as the job's (one CI run left a DVC behind that held the
+            # repo's lock, and the next test failed on it): nothing of this test may outlive it.
+            kill_processes_in(repo)
     output = out_path.read_text()
     # One submission: the job requeued itself, no retry (the plugin's reason, if it retried).
     assert re.findall(r"SLURM jobid (\d+)", output) == [job], [l for l in output.splitlines() if "fail" in l.lower()]
@@ -391,7 +396,7 @@ def test_training_stopped_by_scancel_and_by_its_time_limit_requeues_and_resumes_
     assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "2", "0:0"), info
     # Each signal stopped the training between two steps, where it saved (checkpoint_every is
     # 1000), and the next part resumed from there.
-    last = log.read_text()
+    last = (repo / "logs/dvc/train.log").read_text()
     assert 0 < stopped_at(first) == resumed_from(second) < stopped_at(second) == resumed_from(last) < STOPPED["steps"]
     assert f"trained {STOPPED['steps']} steps" in last
     assert_bitwise_equal(repo / "models/ddpm", uninterrupted)
