@@ -8,11 +8,15 @@ directory is an error, not an empty report):
 * `act_grad_heatmap.png`     log10 L2 of activation gradients, module (output, input) x step
 * `grad_norm_topk.png`       the top-k rows of both heatmaps by mean norm, as lines
 * `total_grad_norm.png`      global grad norm against the clipping threshold, clipped/skipped steps marked
+* `noise_level_shares.png`   each noise-level bucket's share of the update and gradient norm (`noise_levels`)
+* `noise_level_conflicts.png` the buckets' cosine matrices at `report.conflict_steps`
+* `noise_scale.png`          the gradient noise scale B_simple, |G|² and tr(Σ)
 * `loss_weight.png`          the learned loss weighting u(t) at up to 8 logged steps (`loss_weight` table;
                              only under `diffusion.loss_weighting: learned`)
 * `training_curves.png`      every dvclive metric in `live_dir/plots/metrics/**/*.tsv`
 
-`DVC_PLOTS` is the `plots:` block for dvc.yaml, so `dvc plots show` / `dvc plots diff` compare runs.
+`FIGURES` names them all. A figure of an earlier report in the same directory that this run does
+not draw (loss_weight.png after `learned` was turned off) is removed, so the directory shows one run.
 """
 from __future__ import annotations
 
@@ -35,17 +39,11 @@ from ..params import ReportParams  # noqa: E402
 MAX_ROWS = 60  # heatmap rows; more parameters are combined per module (norm of the concatenation)
 LOSS_WEIGHT_LINES = 8  # logged steps drawn in loss_weight.png, evenly chosen, the first and last among them
 
-DVC_PLOTS = [
-    {"reports/introspect/steps.tsv": {
-        "x": "step", "y": ["total_grad_norm", "clip_threshold"], "title": "Global gradient norm before clipping",
-        "x_label": "step", "y_label": "L2 norm"}},
-    {"reports/introspect/steps.tsv": {"x": "step", "y": ["loss_scale"], "title": "Loss scale", "template": "linear"}},
-    "reports/figures/param_grad_heatmap.png",
-    "reports/figures/act_grad_heatmap.png",
-    "reports/figures/grad_norm_topk.png",
-    "reports/figures/total_grad_norm.png",
-    "reports/figures/training_curves.png",
-]
+# Every figure make_report can draw. dvc.yaml's `plots:` lists each (tests/test_report.py checks it)
+# except training_curves.png: `dvc plots` draws the dvclive series it is made of one by one.
+FIGURES = ("param_grad_heatmap.png", "param_update_heatmap.png", "act_grad_heatmap.png", "grad_norm_topk.png",
+           "total_grad_norm.png", "noise_level_shares.png", "noise_level_conflicts.png", "noise_scale.png",
+           "loss_weight.png", "training_curves.png")
 
 
 def group_param_rows(df: pd.DataFrame, max_rows: int = MAX_ROWS) -> pd.DataFrame:
@@ -371,8 +369,12 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
     if len(weighting):
         written.append(_save(loss_weight_figure(weighting), out / "loss_weight.png"))
     written.append(_training_curves(metrics, out / "training_curves.png"))
+    for stale in (out / name for name in FIGURES):
+        if stale not in written and stale.exists():
+            log.info("removing %s: an earlier report's figure that this run does not draw", stale)
+            stale.unlink()
     return written
 
 
 __all__ = ["make_report", "ReportInputError", "group_param_rows", "act_rows", "read_live_metrics", "loss_weight_figure",
-           "DVC_PLOTS", "MAX_ROWS", "LOSS_WEIGHT_LINES"]
+           "FIGURES", "MAX_ROWS", "LOSS_WEIGHT_LINES"]
