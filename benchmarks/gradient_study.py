@@ -12,10 +12,16 @@ so the gradient noise scale is measured on every step (docs/INTROSPECTION.md):
   They found L_vb's gradient far noisier than L_hybrid's, and importance sampling to reduce it.
 - Min-SNR (Hang et al. 2023): `diffusion.loss_weighting: min_snr` (gamma 5) against `none`, eps
   prediction, fixed variances: the evaluator's metrics after the same number of steps.
+- The ways of balancing the noise levels (issue 39), each on `none`'s eps MSE: Min-SNR gamma 20,
+  EDM2's learned weighting, IDDPM's loss-second-moment sampler, and the gradient-norm sampler,
+  which learns from the noise-level buckets (measured every 10 steps in its runs).
+
+Every run measures 8 noise-level buckets every 50 steps, so each bucket's share of the update over
+training is drawn per configuration (gradient_study-shares.png).
 
 After each run it keeps the run's dvclive curves and metrics.json, then writes
 benchmarks/results/gradient_study.json (per run: the noise scale averaged over the second half of
-training, the last logged vb/mse, the final metrics) and gradient_study.png.
+training, the last logged vb/mse, the final metrics, the buckets' shares) and gradient_study.png.
 """
 from __future__ import annotations
 
@@ -43,7 +49,10 @@ from results_io import write_result  # noqa: E402
 # leaves the last experiment's params in the workspace, and a key a configuration left out would
 # silently keep the previous run's value (the first version of this script ran "mse_none" as hybrid).
 BASE = {"diffusion.variance": "fixed_small", "diffusion.loss": "mse", "diffusion.loss_weighting": "none",
-        "diffusion.min_snr_gamma": "null", "train.timestep_sampler": "uniform"}
+        "diffusion.min_snr_gamma": "null", "train.timestep_sampler": "uniform",
+        # The noise-level buckets every 50 steps, 8 of them, in every run: each bucket's share of the
+        # update over training, per method (gradient_study-shares.png).
+        "introspect.every": 25, "introspect.noise_levels_every": 50, "introspect.noise_buckets": 8}
 LEARNED = {"diffusion.variance": "learned_range"}
 CONFIGS = {  # name: the -S overrides of the run
     "vb_uniform": {**LEARNED, "diffusion.loss": "kl", "train.timestep_sampler": "uniform"},
@@ -51,6 +60,13 @@ CONFIGS = {  # name: the -S overrides of the run
     "hybrid_uniform": {**LEARNED, "diffusion.loss": "hybrid", "train.timestep_sampler": "uniform"},
     "mse_none": {"diffusion.loss_weighting": "none", "train.timestep_sampler": "uniform"},
     "mse_min_snr5": {"diffusion.loss_weighting": "min_snr", "train.timestep_sampler": "uniform"},
+    # Issue 39: the ways of balancing the noise levels, each on `none`'s eps MSE.
+    "mse_min_snr20": {"diffusion.loss_weighting": "min_snr", "diffusion.min_snr_gamma": 20},
+    "mse_learned": {"diffusion.loss_weighting": "learned"},
+    "mse_loss_moment": {"train.timestep_sampler": "loss-second-moment"},
+    # the gradient sampler learns from the buckets: measured every 10 steps (as in convergence.py)
+    "mse_grad_norm": {"train.timestep_sampler": "grad-norm", "introspect.every": 10,
+                      "introspect.noise_levels_every": 10},
 }
 
 
@@ -85,7 +101,9 @@ def make_repo(workdir: Path, steps: int, env: dict, extra: dict | None = None) -
     copy_project(repo)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["train"].update(steps=steps, batch_per_proc=64, grad_accum=2)
-    params["diffusion"].setdefault("min_snr_gamma", None)  # BASE sets it in every run: `-S` only sets keys that exist
+    # BASE sets these in every run: `-S` only sets keys that exist
+    params["diffusion"].setdefault("min_snr_gamma", None)
+    params["introspect"].update(noise_levels_every=50, noise_buckets=8)
     for section, values in (extra or {}).items():
         params[section].update(values)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -117,7 +135,22 @@ def summarise(run_dir: Path, steps: int) -> dict:
     # B_simple from the late averages of both terms (the smoothed value at the end is another view)
     g2, tr = out["gns_g2_late_mean"], out["gns_trace_late_mean"]
     out["b_simple_late"] = tr / g2 if g2 > 0 else math.nan
+    out["shares"] = bucket_shares(run_dir / "noise_levels")
     return out
+
+
+def bucket_shares(table: Path) -> dict:
+    """Each noise-level bucket's share of the update <G_b, G>/|G|² on the measured steps:
+    {"edges": [[lo, hi] per bucket], "steps": [...], "share": [[per bucket] per step]}; {} if none."""
+    if not table.exists():
+        return {}
+    import pandas as pd
+
+    df = pd.read_parquet(table).sort_values(["step", "bucket"])
+    wide = df.pivot(index="step", columns="bucket", values="share").sort_index()
+    edges = df.drop_duplicates("bucket").sort_values("bucket")[["lo", "hi"]].values.tolist()
+    return {"space": str(df["space"].iloc[0]), "edges": edges, "steps": [int(s) for s in wide.index],
+            "share": wide.values.tolist()}
 
 
 def main() -> None:
@@ -150,6 +183,8 @@ def main() -> None:
             shutil.rmtree(keep, ignore_errors=True)
             shutil.copytree(repo / "reports" / "train" / "live", keep / "live")
             shutil.copy2(repo / "metrics.json", keep / "metrics.json")
+            if (repo / "reports" / "introspect" / "noise_levels").exists():
+                shutil.copytree(repo / "reports" / "introspect" / "noise_levels", keep / "noise_levels")
             runs[f"{name}-s{seed}"] = {"config": name, "seed": seed, "wall_s": time.perf_counter() - t0,
                                        **summarise(keep, a.steps)}
             r = runs[f"{name}-s{seed}"]
@@ -165,7 +200,8 @@ def main() -> None:
 def table(runs: dict) -> str:
     """The markdown table of docs/INTROSPECTION.md: per configuration, the mean over seeds and the
     spread (min..max) of each number."""
-    cols = [("b_simple_late", "B_simple, 2nd half", "{:.0f}"), ("vb_late_mean", "L_vb, 2nd half", "{:.4f}"),
+    cols = [("b_simple_late", "B_simple, 2nd half", "{:.0f}"), ("gns_trace_late_mean", "tr(Σ), 2nd half", "{:.3g}"),
+            ("vb_late_mean", "L_vb, 2nd half", "{:.4f}"),
             ("mse_late_mean", "eps MSE, 2nd half", "{:.4f}"), ("fid", "FID", "{:.2f}"),
             ("class_acc", "class acc.", "{:.3f}"), ("bpd", "bits/dim", "{:.3f}")]
     lines = ["| config | seeds | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
@@ -208,6 +244,38 @@ def plot(runs: dict, path: Path) -> None:
     for ax in (ax_b, ax_vb, ax_mse):
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plot_shares(runs, path.with_name(path.stem + "-shares.png"))
+
+
+def plot_shares(runs: dict, path: Path) -> None:
+    """One panel per configuration: each bucket's share of the update against step, the mean over
+    the seeds as a line and their range as a band (buckets coloured from least to most noisy)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    configs = [c for c in dict.fromkeys(r["config"] for r in runs.values())
+               if any(r["config"] == c and r.get("shares") for r in runs.values())]
+    if not configs:
+        return
+    fig, axes = plt.subplots(1, len(configs), figsize=(3.6 * len(configs), 3.6), sharey=True, squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        seeds = [r["shares"] for r in runs.values() if r["config"] == config and r.get("shares")]
+        steps = sorted(set.intersection(*(set(s["steps"]) for s in seeds)))  # those every seed measured
+        per_seed = np.array([[s["share"][s["steps"].index(st)] for st in steps] for s in seeds])  # seed, step, bucket
+        edges = seeds[0]["edges"]
+        cmap = plt.get_cmap("viridis", len(edges))
+        for b, (lo, hi) in enumerate(edges):
+            ax.plot(steps, per_seed[:, :, b].mean(0), color=cmap(b), lw=1.2, label=f"[{lo:.0f}, {hi:.0f})")
+            ax.fill_between(steps, per_seed[:, :, b].min(0), per_seed[:, :, b].max(0), color=cmap(b), alpha=0.2, lw=0)
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_title(f"{config} ({len(seeds)} seeds)", fontsize=9)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("share of the update <G_b, G>/|G|²")
+    axes[0][-1].legend(title=f"bucket ({seeds[0]['space']})", fontsize=6, title_fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -456,3 +456,33 @@ def test_introspect_overhead_sections_run_at_their_quick_size_and_write_their_sp
         ratios = r["timing"]["ratio_cpu"]
         assert all(set(v) >= {"median", "min", "max"} for v in ratios.values())
         assert set(r["projected_by_noise_levels_every"])
+
+
+def test_gradient_study_reads_each_buckets_share_and_draws_them_per_configuration(tmp_path):
+    """benchmarks/gradient_study.py's shares over training: the noise_levels table the training
+    writes, read back per step and bucket (buckets in order, steps sorted), and the figure drawn
+    from the runs of two configurations (one band per bucket per panel)."""
+    import gradient_study
+    from ddpmrepro.training.introspect import TableWriter
+
+    edges = [(0.0, 100.0), (100.0, 200.0), (200.0, 300.0)]
+    shares = {50: [0.7, 0.2, 0.1], 100: [0.5, 0.6, -0.1]}
+    for seed in (0, 1):
+        w = TableWriter(tmp_path / f"s{seed}", start_step=0)
+        for step in (100, 50):  # out of order, as a resumed run may leave parts
+            w.add(step, noise_levels=[
+                {"step": step, "bucket": b, "space": "t", "lo": lo, "hi": hi, "examples": 10, "grad_norm": 1.0,
+                 "share": shares[step][b] + seed / 100, "cos": [1.0, 0.0, 0.0], "g2": 1.0, "trace": 2.0,
+                 "b_simple": 2.0} for b, (lo, hi) in reversed(list(enumerate(edges)))])
+        w.close()
+    read = gradient_study.bucket_shares(tmp_path / "s0" / "noise_levels")
+    assert read == {"space": "t", "edges": [list(e) for e in edges], "steps": [50, 100],
+                    "share": [[0.7, 0.2, 0.1], [0.5, 0.6, -0.1]]}
+    assert gradient_study.bucket_shares(tmp_path / "none") == {}
+    runs = {f"{c}-s{seed}": {"config": c, "seed": seed,
+                             "shares": gradient_study.bucket_shares(tmp_path / f"s{seed}" / "noise_levels")}
+            for c in ("mse_none", "mse_learned") for seed in (0, 1)}
+    gradient_study.plot_shares(runs, tmp_path / "shares.png")
+    from PIL import Image
+    img = np.asarray(Image.open(tmp_path / "shares.png").convert("L"), dtype=float)
+    assert img.shape[1] > 2 * img.shape[0] * 0.9 and img.std() > 5  # two panels side by side, not blank
