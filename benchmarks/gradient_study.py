@@ -174,8 +174,9 @@ def main() -> None:
     env = study_env(a.workdir)
     repo = make_repo(a.workdir, a.steps, env)
     runs = {}
-    for name in a.configs:
-        for seed in a.seeds:
+    # seed by seed, so that a study stopped early has every configuration at the same seeds
+    for seed in a.seeds:
+        for name in a.configs:
             t0 = time.perf_counter()
             sets = [f"{k}={v}" for k, v in {**BASE, **CONFIGS[name], "train.seed": seed}.items()]
             sh(repo, "dvc", "exp", "run", "-n", f"{name}-s{seed}", *[x for s in sets for x in ("-S", s)], env=env)
