@@ -362,13 +362,19 @@ def test_two_node_training_stopped_twice_requeues_itself_and_ends_bitwise_equal(
 def test_a_lost_node_fails_the_job_with_one_line_and_the_rerun_resumes(repo, reference):
     job, out = sbatch(repo, "lost", *TWO_NODES, wait=False)
     try:
-        saved = wait_for(lambda: list((out / "ckpt").rglob("step_*.pt")), "the first periodic checkpoint")
-        agents = procs_of(repo, str(out), workers=False)
-        workers = procs_of(repo, str(out), workers=True)
-        lost = [p for p in agents + workers if host_of(p) == "node2"]
-        assert len(lost) == 2, (agents, workers)
-        for pid in lost:  # node2 is gone: its agent and its worker at once
-            os.kill(pid, signal.SIGKILL)
+        # frozen from the start and let on in slices (tests/frozen.py): the node is lost after the
+        # first periodic checkpoint and before the training can end, at any speed
+        workers = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(procs_of(repo, str(out), workers=True)),
+                           "both workers")
+        with frozen(workers):
+            # its sidecar is written last: a checkpoint without one is not resumed from
+            saved = run_in_slices(workers, lambda: list((out / "ckpt").rglob("step_*.sha256")),
+                                  "the first periodic checkpoint and its sha256 sidecar")
+            agents = procs_of(repo, str(out), workers=False)
+            lost = [p for p in agents + workers if host_of(p) == "node2"]
+            assert len(lost) == 2, (agents, workers)
+            for pid in lost:  # node2 is gone: its agent and its worker at once
+                os.kill(pid, signal.SIGKILL)
         wait_for(lambda: job_info(repo, job)["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"),
                  "the job to end", timeout=300)
     finally:
