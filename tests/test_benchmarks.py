@@ -396,6 +396,51 @@ def test_mfu_benchmark_divides_each_rows_flops_rate_by_the_gemm_rate_of_the_same
         assert low <= row["mfu_vs_gemm"] <= high
 
 
+# --- benchmarks/graph_step.py: the step eager, in a CUDA graph, compiled ----------------------------
+
+def test_graph_step_contenders_start_from_a_fresh_optimizer_after_their_warm_up():
+    """Every contender warms up (and `graph` captures) at lr 0, then resets AdamW's state, so the
+    agreement check compares steps from one state: the warmed-up step must equal, bitwise, the
+    same steps with an optimizer that never stepped (a missed 'step' count would change Adam's
+    bias correction)."""
+    import copy
+
+    import torch
+    import graph_step
+    from ddpmrepro import params as P
+    from ddpmrepro.model.unet import build_unet
+
+    torch.manual_seed(0)
+    model = build_unet(P.ModelParams(preset="tiny"), image_size=8, in_channels=1, num_classes=10, learn_sigma=False)
+    data = graph_step.batches(3, 4, 1, 8, torch.device("cpu"))
+    warmed = graph_step.Step("eager", copy.deepcopy(model), data, "fp32")
+    assert all(torch.equal(a, b) for a, b in zip(warmed.params, model.parameters()))  # lr 0: the weights as they were
+    assert all(torch.equal(a, b) for a, b in zip(warmed.ema, model.parameters()))
+    fresh = graph_step.Step("eager", copy.deepcopy(model), data, "fp32")
+    fresh.opt = torch.optim.AdamW(fresh.params, lr=graph_step.LR, weight_decay=0.0, foreach=True)
+    for step in (warmed, fresh):
+        torch.manual_seed(2)  # the same dropout masks
+        step.run(3)
+    assert graph_step.agreement(warmed, fresh) == {"all_weights": 0.0, "worst_tensor": 0.0}
+    assert not all(torch.equal(a, b) for a, b in zip(warmed.params, model.parameters()))  # it trained
+
+
+def test_graph_step_benchmark_writes_each_batchs_times_and_agreement(tmp_path):
+    out = tmp_path / "graph_step.json"
+    run("graph_step.py", "--preset", "tiny", "--image-size", "8", "--channels", "1", "--batches", "4,8",
+        "--modes", "eager", "--steps", "1", "--rounds", "2", "--threads", "1", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert [row["batch"] for row in r["rows"]] == [4, 8]
+    for row in r["rows"]:
+        check_paired(row["timing"], {"eager"}, 2, "eager", threads=1)
+        assert row["agreement_after_3_steps"]["eager"] == {"all_weights": 0.0, "worst_tensor": 0.0}
+        assert row["ms_per_step"]["eager"] == pytest.approx(1e3 * row["timing"]["wall_s"]["eager"]["median"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "graph_step.py"), "--modes", "eager,graph"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--modes graph needs --device cuda" in refused.stderr
+
+
 def test_main_thread_benchmark_times_the_microbatch_of_the_code_on_the_path(tmp_path):
     out = tmp_path / "main_thread.json"
     run("main_thread.py", "--microbatches", "2", "--rounds", "2", "--step-ms", "1", "--out", str(out))
