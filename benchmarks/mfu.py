@@ -9,7 +9,8 @@ For each (preset, batch): the FLOPs of one training step, counted by `torch.util
 over the real training loss (the preset's diffusion from configs/<preset>.yaml: its learned
 variance and hybrid loss for iddpm-cifar10), forward and backward, not by hand; the step's time,
 ddpmrepro's own loop (`training.loop.train()`, introspection off) in benchmarks/timing.py's paired
-rounds; and the device's matrix rate, measured in the same run by one large GEMM at the training
+rounds, and with --profile-steps, what the step's time goes to (kernels by kind on a GPU:
+convolutions, GroupNorm, attention, the optimizer, ...; aten ops' CPU time on a CPU); and the device's matrix rate, measured in the same run by one large GEMM at the training
 precision (`matmul_tflops`). MFU = step FLOPs / step time / that rate: the share of what this
 card, at this moment, does on the operation convolutions and attention are made of. A datasheet
 peak (`--peak-tflops`, dense, e.g. 989 for an H100 SXM at bf16) gives the MFU against it too.
@@ -67,6 +68,58 @@ def step_flops(params: P.Params, *, image_size: int, channels: int, batch: int,
     return counter.get_total_flops() * batch // n, sum(p.numel() for p in model.parameters())
 
 
+# What limits the step (issue 38 item 3): the profiled time by kind of work. On a GPU the kernels'
+# own device time by kernel name (cuDNN/CUTLASS names included); on a CPU each aten op's self time.
+# First match wins; the rest is "other".
+CATEGORIES = (
+    # the autograd engine's nodes: their self time is bookkeeping, the work is in the ops they call
+    ("autograd", r"^autograd::|Backward0$|AccumulateGrad"),
+    ("attention", r"flash|fmha|attention|sdpa|softmax|scaled_dot_product"),
+    ("convolution", r"conv|cudnn|implicit_gemm|xmma_fprop|dgrad|wgrad|winograd"),
+    # ATen's GroupNorm kernels on CUDA (the UNet has no other normalisation, so its moments are these)
+    ("group norm", r"group_norm|groupnorm|GroupNorm|RowwiseMoments|ComputeFusedParams|ComputeInternalGradients|"
+                   r"ComputeBackwardFusedParams|GammaBetaBackward"),
+    ("optimizer", r"adam|multi_tensor_apply|_foreach_"),
+    ("matmul", r"gemm|addmm|\bmm\b|aten::mm|matmul|cutlass|linear|bmm"),
+    ("elementwise", r"elementwise|vectorized|unrolled|aten::(add|mul|sub|div|silu|sigmoid|copy_|fill_|where|lerp)"),
+    ("reduction", r"reduce|aten::(sum|mean|norm|linalg_vector_norm)"),
+)
+
+
+def time_by_category(prof, device: str, steps: int) -> dict:
+    """{category: {"ms_per_step", "share"}} from a finished torch.profiler run of `steps` steps: the
+    kernels' device time on a GPU, the aten ops' self CPU time on a CPU, sorted by time."""
+    import re
+
+    patterns = [(name, re.compile(rx, re.I)) for name, rx in CATEGORIES]
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        if device == "cuda":
+            us = getattr(e, "self_device_time_total", 0.0) if str(e.device_type).endswith("CUDA") else 0.0
+        else:
+            us = e.self_cpu_time_total if e.key.startswith(("aten::", "autograd::")) or e.key.endswith(
+                ("Backward0", "AccumulateGrad")) else 0.0
+        if us <= 0:
+            continue
+        category = next((name for name, rx in patterns if rx.search(e.key)), "other")
+        totals[category] = totals.get(category, 0.0) + us
+    whole = sum(totals.values()) or 1.0
+    return {c: {"ms_per_step": us / 1e3 / steps, "share": us / whole}
+            for c, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def profile_categories(loop, device: str, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync = cuda_sync(device)
+    sync()
+    with profile(activities=activities) as prof:
+        loop.run(steps)
+        sync()
+    return time_by_category(prof, device, steps)
+
+
 def matmul_tflops(device: str, precision: str, n: int = 8192, seconds: float = 1.0) -> dict:
     """The device's rate on one (n x n) @ (n x n) matmul at the training precision (fp32 -> TF32 off),
     repeated for about `seconds` after a warm-up: 2 n^3 FLOPs each. On a CPU, n is capped at 1024."""
@@ -106,11 +159,13 @@ def main() -> None:
     ap.add_argument("--compile", default="none", choices=("none", "blocks"), help="train.compile")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="a datasheet peak, for a second MFU (0: none)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="then profile this many steps of each row: the "
+                    "time by kind of work (kernels on a GPU); 0: no profile")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    total = (a.warmup + a.rounds) * a.steps
+    total = (a.warmup + a.rounds) * a.steps + a.profile_steps
     gemm_before = matmul_tflops(a.device, a.precision)
     rows, loops = {}, {}
     with tempfile.TemporaryDirectory() as d:
@@ -133,7 +188,11 @@ def main() -> None:
         reference = next(iter(rows))
         timing = paired_rounds({m: (lambda loop=loop: loop.run(a.steps)) for m, loop in loops.items()}, reference,
                                a.rounds, warmup=a.warmup, seed=a.seed, sync=cuda_sync(a.device))
-        for loop in loops.values():
+        for name, loop in loops.items():
+            if a.profile_steps:  # after the timing, which the profiler would slow
+                rows[name]["time_by_category"] = profile_categories(loop, a.device, a.profile_steps)
+                print(f"{name}: " + ", ".join(f"{c} {100 * v['share']:.0f}%" for c, v in
+                                              rows[name]["time_by_category"].items()), flush=True)
             loop.finish()
     gemm_after = matmul_tflops(a.device, a.precision)
     rate = (gemm_before["tflops"] + gemm_after["tflops"]) / 2

@@ -41,9 +41,10 @@ part 120 sample-speed $PY benchmarks/sample_speed.py "${common[@]}" --compile --
 part 60 growth $PY benchmarks/growth.py --device cuda --batch 128 --precision bf16 --peak-tflops 989 --rounds 6 \
     --out "$OUT/growth-bf16.json"
 # The card used: the step's FLOPs (FlopCounterMode) over its time over this card's bf16 GEMM rate, measured
-# in the same run, at batch 128 and 512, for both paper presets (the datasheet's 989 TFLOP/s beside it).
+# in the same run, at batch 128 and 512, for both paper presets (the datasheet's 989 TFLOP/s beside it),
+# then 5 profiled steps of each: the kernels' time by kind (convolution, GroupNorm, attention, optimizer, ...).
 part 120 mfu $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm-cifar10,iddpm-cifar10 \
-    --batches 128,512 --steps 10 --rounds 6 --peak-tflops 989 --out "$OUT/mfu-bf16.json"
+    --batches 128,512 --steps 10 --rounds 6 --peak-tflops 989 --profile-steps 5 --out "$OUT/mfu-bf16.json"
 # Does capturing the whole step in a CUDA graph (or compile's reduce-overhead) pay, and at which batch
 # (issue 38, item 2): the plain step three ways, each checked against eager after 3 steps first.
 part 150 graphs $PY benchmarks/graph_step.py --device cuda --precision bf16 --batches 128,512 --steps 20 --rounds 6 \

@@ -378,12 +378,44 @@ def test_matmul_rate_is_the_flops_of_its_repetitions_over_their_time():
 
 
 @pytest.mark.slow
+def test_the_profile_sorts_kernel_and_op_names_into_kinds_of_work():
+    """mfu.py's categories on names as torch.profiler reports them on a GPU (cuDNN, CUTLASS, flash
+    attention, fused Adam kernels) and on a CPU (aten ops, autograd nodes)."""
+    import re
+
+    import mfu
+
+    def kind(name):
+        return next((c for c, rx in mfu.CATEGORIES if re.search(rx, name, re.I)), "other")
+    assert kind("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64") == "convolution"
+    assert kind("void cudnn::engines_precompiled::nchwToNhwcKernel<float>") == "convolution"
+    assert kind("aten::mkldnn_convolution") == kind("aten::convolution_backward") == "convolution"
+    assert kind("void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>") == "group norm"
+    assert kind("aten::native_group_norm_backward") == kind("void at::native::group_norm_kernel") == "group norm"
+    assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert kind("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert kind("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert kind("aten::_fused_adamw_") == kind("aten::_foreach_lerp_") == "optimizer"
+    assert kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"  # cuBLAS's, on Hopper
+    assert kind("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>") == "matmul"
+    assert kind("aten::addmm") == kind("aten::mm") == "matmul"
+    assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "elementwise"
+    assert kind("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>") == "reduction"
+    assert kind("autograd::engine::evaluate_function: ConvolutionBackward0") == "autograd"  # bookkeeping: the
+    assert kind("ConvolutionBackward0") == kind("torch::autograd::AccumulateGrad") == "autograd"  # work is the op's
+
+
 def test_mfu_benchmark_divides_each_rows_flops_rate_by_the_gemm_rate_of_the_same_run(tmp_path):
     out = tmp_path / "mfu.json"
     run("mfu.py", "--presets", "tiny", "--image-size", "8", "--channels", "1", "--batches", "4,8", "--steps", "1",
-        "--rounds", "2", "--threads", "1", "--peak-tflops", "1", "--out", str(out))
+        "--rounds", "2", "--threads", "1", "--peak-tflops", "1", "--profile-steps", "1", "--out", str(out))
     r = json.loads(out.read_text())
     check_paired(r["timing"], {"tiny/b4", "tiny/b8"}, 2, "tiny/b4", threads=1)
+    for row in r["rows"]:  # what the step's time went to: on a CPU, the aten ops' self time by kind
+        kinds = row["time_by_category"]
+        assert sum(v["share"] for v in kinds.values()) == pytest.approx(1.0)
+        assert {"convolution", "group norm", "optimizer", "autograd"} <= set(kinds), kinds
+        assert kinds["convolution"]["ms_per_step"] > 0 and list(kinds) == sorted(kinds, key=lambda c: -kinds[c]["share"])
     rate = r["gemm"]["tflops"]
     assert rate == pytest.approx((r["gemm"]["before"]["tflops"] + r["gemm"]["after"]["tflops"]) / 2)
     small, big = r["rows"]
