@@ -84,10 +84,13 @@ def sh(repo: Path, *cmd: str, env: dict) -> str:
 
 def study_env(workdir: Path) -> dict:
     """The environment of the study's `dvc exp run`s: this Python's tools first, the CPU slots
-    (which the pipeline's stages take) counted in the study's own lock directory."""
+    (which the pipeline's stages take) counted in the study's own lock directory, or in
+    $DDPMREPRO_CPU_LOCK_DIR where it is set."""
     env = {k: v for k, v in os.environ.items() if k != "DDPMREPRO_CPU_SLOTS"}
+    # Two studies side by side share one lock directory (set it), each with OMP_NUM_THREADS=1: with
+    # a directory each, both took both cores at 2 threads and ran several times slower.
     env.update(PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"], DVC_NO_ANALYTICS="1",
-               DDPMREPRO_CPU_LOCK_DIR=str(workdir / "cpu-locks"))
+               DDPMREPRO_CPU_LOCK_DIR=os.environ.get("DDPMREPRO_CPU_LOCK_DIR", str(workdir / "cpu-locks")))
     return env
 
 
