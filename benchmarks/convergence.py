@@ -61,13 +61,15 @@ EXTRA = {  # the methods of issue 39
 
 
 def config(name: str) -> dict:
-    """The -S overrides of a weighting (gradient_study's, issue 39's, or Min-SNR at another γ)."""
-    if name in CONFIGS:
-        return CONFIGS[name]
+    """The -S overrides of a weighting: this study's own first (issue 39's methods as its runs were
+    made; gradient_study.py has runs of the same names with its own instruments), Min-SNR at another
+    γ, then gradient_study's."""
     if name in EXTRA:
         return EXTRA[name]
-    return {"diffusion.loss_weighting": "min_snr", "diffusion.min_snr_gamma": float(name.removeprefix("mse_min_snr")),
-            "train.timestep_sampler": "uniform"}
+    if name.startswith("mse_min_snr") and name not in ("mse_min_snr5",):
+        return {"diffusion.loss_weighting": "min_snr", "diffusion.min_snr_gamma": float(name.removeprefix("mse_min_snr")),
+                "train.timestep_sampler": "uniform"}
+    return CONFIGS[name]
 
 
 def command(a) -> str:

@@ -300,6 +300,10 @@ def test_convergence_steps_to_a_threshold_and_the_paired_ratios():
     assert convergence.config("mse_min_snr20") == {"diffusion.loss_weighting": "min_snr", "diffusion.min_snr_gamma": 20.0,
                                                    "train.timestep_sampler": "uniform"}
     assert convergence.BASE["diffusion.min_snr_gamma"] == "null"
+    # its own definitions of issue 39's methods, not gradient_study's runs of the same name
+    assert convergence.config("mse_grad_norm")["introspect.noise_buckets"] == 8
+    assert convergence.config("mse_learned") == convergence.EXTRA["mse_learned"]
+    assert convergence.config("mse_min_snr5") == {"diffusion.loss_weighting": "min_snr", "train.timestep_sampler": "uniform"}
     renamed = {k.replace("min_snr5", "min_snr20"): {**r, "config": r["config"].replace("min_snr5", "min_snr20")}
                for k, r in runs.items()}
     assert convergence.summary(renamed, 150, ("mse_none", "mse_min_snr20"))["class_acc >= 0.8"] == {
