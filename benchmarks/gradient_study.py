@@ -266,9 +266,11 @@ def plot_shares(runs: dict, path: Path) -> None:
     if not configs:
         return
     fig, axes = plt.subplots(1, len(configs), figsize=(3.6 * len(configs), 3.6), sharey=True, squeeze=False)
+    # the steps every run measured (grad-norm's runs measure every 10 steps, the others every 50): one grid
+    common = set.intersection(*(set(r["shares"]["steps"]) for r in runs.values() if r.get("shares")))
     for ax, config in zip(axes[0], configs):
         seeds = [r["shares"] for r in runs.values() if r["config"] == config and r.get("shares")]
-        steps = sorted(set.intersection(*(set(s["steps"]) for s in seeds)))  # those every seed measured
+        steps = sorted(common) if len(common) > 1 else sorted(set.intersection(*(set(s["steps"]) for s in seeds)))
         per_seed = np.array([[s["share"][s["steps"].index(st)] for st in steps] for s in seeds])  # seed, step, bucket
         edges = seeds[0]["edges"]
         cmap = plt.get_cmap("viridis", len(edges))
