@@ -138,7 +138,14 @@ def summarise(run_dir: Path, steps: int) -> dict:
     # B_simple from the late averages of both terms (the smoothed value at the end is another view)
     g2, tr = out["gns_g2_late_mean"], out["gns_trace_late_mean"]
     out["b_simple_late"] = tr / g2 if g2 > 0 else math.nan
-    out["shares"] = bucket_shares(run_dir / "noise_levels")
+    out["shares"] = sh = bucket_shares(run_dir / "noise_levels")
+    # the second half's mean share of the least noisy bucket, and of the buckets of the noisier half
+    late = [i for i, st in enumerate(sh.get("steps", [])) if st > steps // 2]
+    top = max((hi for _, hi in sh.get("edges", [])), default=0)
+    noisy = [b for b, (lo, _) in enumerate(sh.get("edges", [])) if lo >= top / 2]
+    out["share_least_noisy_late"] = statistics.fmean(sh["share"][i][0] for i in late) if late else math.nan
+    out["share_noisier_half_late"] = (statistics.fmean(sum(sh["share"][i][b] for b in noisy) for i in late)
+                                      if late and noisy else math.nan)
     return out
 
 
@@ -167,8 +174,11 @@ def main() -> None:
                     "--workdir/runs so far (no training)")
     a = ap.parse_args()
     if a.summarise:
+        order = list(CONFIGS)  # the table's and the figures' order: the configurations as listed above
+        dirs = sorted((a.workdir / "runs").iterdir(), key=lambda d: (order.index(d.name.rsplit("-s", 1)[0]),
+                                                                      int(d.name.rsplit("-s", 1)[1])))
         runs = {d.name: {"config": d.name.rsplit("-s", 1)[0], "seed": int(d.name.rsplit("-s", 1)[1]),
-                         **summarise(d, a.steps)} for d in sorted((a.workdir / "runs").iterdir())}
+                         **summarise(d, a.steps)} for d in dirs}
         write_result({"command": _command(a) + " (then --summarise of the runs kept: " + ", ".join(runs) + ")",
                       "steps": a.steps, "seeds": a.seeds, "configs": CONFIGS, "runs": runs}, a.out)
         plot(runs, a.out.with_suffix(".png"))
@@ -207,7 +217,9 @@ def table(runs: dict) -> str:
     cols = [("b_simple_late", "B_simple, 2nd half", "{:.0f}"), ("gns_trace_late_mean", "tr(Σ), 2nd half", "{:.3g}"),
             ("vb_late_mean", "L_vb, 2nd half", "{:.4f}"),
             ("mse_late_mean", "eps MSE, 2nd half", "{:.4f}"), ("fid", "FID", "{:.2f}"),
-            ("class_acc", "class acc.", "{:.3f}"), ("bpd", "bits/dim", "{:.3f}")]
+            ("class_acc", "class acc.", "{:.3f}"), ("bpd", "bits/dim", "{:.3f}"),
+            ("share_least_noisy_late", "share of the least noisy bucket, 2nd half", "{:.2f}"),
+            ("share_noisier_half_late", "share of the noisier half, 2nd half", "{:.2f}")]
     lines = ["| config | seeds | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
     for config in dict.fromkeys(r["config"] for r in runs.values()):
         rs = [r for r in runs.values() if r["config"] == config]
