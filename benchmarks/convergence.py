@@ -103,6 +103,42 @@ def summary(runs: dict, steps: int, names: tuple[str, str] = WEIGHTINGS) -> dict
     return out
 
 
+def crossing(curve: list, key: str, threshold: float, higher: bool) -> float | None:
+    """Where the curve crosses the threshold, between the two evaluated steps around it: linear in
+    the step, of the metric (class accuracy) or of its logarithm (FID, which falls about
+    exponentially here). An estimate finer than the `--every` grid; None if it never does."""
+    import math
+
+    f = (lambda v: v) if higher else (lambda v: -math.log(v))
+    goal = f(threshold)
+    prev = None
+    for step, m in curve:
+        v = f(m[key])
+        if v >= goal:
+            if prev is None or prev[1] >= goal:
+                return float(step)
+            (s0, v0) = prev
+            return s0 + (goal - v0) / (v - v0) * (step - s0)
+        prev = (step, v)
+    return None
+
+
+def interpolated(runs: dict, names: tuple[str, str] = WEIGHTINGS) -> dict:
+    """Per threshold: each weighting's interpolated crossing per seed, and the paired ratios
+    (the second weighting's steps over the first's: below 1 is sooner)."""
+    first, second = names
+    out = {}
+    for key, thresholds, higher in (("class_acc", ACC_THRESHOLDS, True), ("fid", FID_THRESHOLDS, False)):
+        for th in thresholds:
+            row = {w: {r["seed"]: crossing(r["curve"], key, th, higher) for r in runs.values() if r["config"] == w}
+                   for w in names}
+            out[f"{key} {'>=' if higher else '<='} {th:g}"] = {
+                **{w: {str(s): v for s, v in row[w].items()} for w in names},
+                "ratio_second_over_first": [row[second][s] / row[first][s] for s in row[first]
+                                            if row[first][s] and row[second].get(s)]}
+    return out
+
+
 def table(runs: dict, steps: int, names: tuple[str, str] = WEIGHTINGS) -> str:
     none, min_snr = names
     lines = [f"| threshold | steps, none (per seed) | steps, {min_snr} (per seed) | none / min_snr (per seed) |",
@@ -205,7 +241,8 @@ def main() -> None:
         if r["config"] in names:
             runs[d.name] = {**r, "curve": [tuple(x) for x in r["curve"]]}
     write_result({"command": command(a), "steps": a.steps, "every": a.every, "anneal": a.anneal, "ema_length": EMA_LENGTH,
-                  "gamma": a.gamma, "runs_kept": sorted(runs), "summary": summary(runs, a.steps, names), "runs": runs},
+                  "gamma": a.gamma, "runs_kept": sorted(runs), "summary": summary(runs, a.steps, names),
+                  "interpolated": interpolated(runs, names), "runs": runs},
                  a.out)
     plot(runs, a.out.with_suffix(".png"), names)
     print(table(runs, a.steps, names))

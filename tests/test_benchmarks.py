@@ -308,6 +308,19 @@ def test_convergence_steps_to_a_threshold_and_the_paired_ratios():
                for k, r in runs.items()}
     assert convergence.summary(renamed, 150, ("mse_none", "mse_min_snr20"))["class_acc >= 0.8"] == {
         "mse_none": {"0": 100, "1": 150}, "mse_min_snr20": {"0": 50, "1": 100}, "ratio_none_over_min_snr": [2.0, 1.5]}
+    # between the grid's points: linear in the step, of the accuracy and of log FID
+    assert convergence.crossing(curve((50, 0.5, 9.0), (100, 0.85, 3.5)), "class_acc", 0.8, True) == pytest.approx(
+        50 + 50 * (0.8 - 0.5) / (0.85 - 0.5))
+    assert convergence.crossing(curve((50, 0.5, 8.0), (100, 0.85, 2.0)), "fid", 4.0, False) == pytest.approx(75.0)
+    assert convergence.crossing(curve((50, 0.9, 3.0)), "fid", 4.0, False) == 50.0  # at the first point already
+    assert convergence.crossing(curve((50, 0.5, 9.0), (100, 0.6, 5.0)), "fid", 4.0, False) is None
+    i = convergence.interpolated(runs)
+    import math
+    log_cross = lambda s0, a, b: s0 + 50 * (math.log(a) - math.log(2.5)) / (math.log(a) - math.log(b))
+    assert i["fid <= 2.5"]["mse_min_snr5"]["1"] is None  # seed 1 never reaches it: no ratio for it
+    assert i["fid <= 2.5"]["ratio_second_over_first"] == pytest.approx([log_cross(50, 3.9, 2.4) / log_cross(100, 3.5, 2.0)])
+    assert i["class_acc >= 0.8"]["ratio_second_over_first"] == pytest.approx(
+        [(50 - 0) / i["class_acc >= 0.8"]["mse_none"]["0"], i["class_acc >= 0.8"]["mse_min_snr5"]["1"] / 150.0])
 
 
 def test_serial_pieces_script_times_every_piece():
