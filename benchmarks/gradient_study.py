@@ -225,6 +225,9 @@ def table(runs: dict) -> str:
         rs = [r for r in runs.values() if r["config"] == config]
         cells = []
         for key, _, fmt in cols:
+            if key == "vb_late_mean" and not config.startswith(("vb", "hybrid")):
+                cells.append("–")  # an eps-MSE run logs no L_vb (its column reads 0)
+                continue
             vals = [r.get(key, r["metrics"].get(key)) for r in rs]
             vals = [v for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
             if not vals:
@@ -259,7 +262,8 @@ def plot(runs: dict, path: Path) -> None:
     ax_mse.set_yscale("log")
     for ax in (ax_b, ax_vb, ax_mse):
         ax.set_xlabel("step")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # the L_vb panel of an eps-MSE study has nothing to name
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plot_shares(runs, path.with_name(path.stem + "-shares.png"))
