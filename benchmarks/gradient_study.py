@@ -67,6 +67,8 @@ CONFIGS = {  # name: the -S overrides of the run
     # the gradient sampler learns from the buckets: measured every 10 steps (as in convergence.py)
     "mse_grad_norm": {"train.timestep_sampler": "grad-norm", "introspect.every": 10,
                       "introspect.noise_levels_every": 10},
+    # the output layer's per-example gradient norms, per t on every step (issue 39's second route)
+    "mse_output_grad_norm": {"train.timestep_sampler": "output-grad-norm"},
 }
 
 

@@ -22,10 +22,15 @@ so at the same loss, from per-example gradients (torch.func: vmap of grad, exact
    mean gradients (unbiased, where one mean's square is not).
 
 Samplers: uniform; loss-second-moment (p ∝ sqrt(mean L²) per level, IDDPM's with a full history);
-grad-norm with the buckets of the default introspection (4 equal ranges of t) and with 8, and per
-level (its limit with one bucket per level, the optimum of the formula up to estimation noise). Each with the
-0.1% uniform share the samplers mix in. Writes benchmarks/results/sampler_variance.json: per seed,
-tr(Σ) of each sampler and its ratio to uniform's, and |G|² (the same for all: unbiased).
+the bucket means alone (p ∝ sqrt(E‖∇L‖²) constant over each bucket: the first `grad-norm`, before
+issue 39's second round), with the buckets of the default introspection (4 equal ranges of t) and
+with 8; grad-norm as it is now, p ∝ sqrt(r_b E[L_t²]) with r_b each bucket's ratio of the
+gradient's second moment to the loss's (4 and 8 buckets); per level (one bucket per level: the
+optimum of the formula up to estimation noise); and output-grad-norm per level, p ∝ sqrt(E‖∇L_t‖²)
+of the output layer's parameters alone (the last convolution: what that sampler measures per
+example on every step). Each with the 0.1% uniform share the samplers mix in.
+Writes benchmarks/results/sampler_variance.json: per seed, tr(Σ) of each sampler and its ratio to
+uniform's, and |G|² (the same for all: unbiased).
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ from ddpmrepro.training.noise_buckets import bucket_table
 from results_io import command_line, write_result  # benchmarks/ (the script's directory) is on sys.path
 
 UNIFORM_SHARE = 0.001
+OUTPUT_LAYER = "out.2."  # the UNet's last convolution (weight and bias): what `output-grad-norm` measures
 BUCKETS = (4, 8)  # the introspection's default, and more (each needs a level of the grid: levels >= 2 x count)
 
 
@@ -65,8 +71,9 @@ def trace_of(p: np.ndarray, second: np.ndarray, g_sq: float) -> float:
     return float(np.sum(second / p) / K ** 2 - g_sq)
 
 
-def per_example(model, diffusion, x0, y, t, noise) -> tuple[torch.Tensor, torch.Tensor]:
-    """(losses (B,), flat gradients (B, P)) of each example alone."""
+def per_example(model, diffusion, x0, y, t, noise) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(losses (B,), flat gradients (B, P), the output layer's squared gradient norms (B,)) of each
+    example alone."""
     names = [n for n, q in model.named_parameters()]
     params = {n: q.detach() for n, q in model.named_parameters()}
     buffers = {n: b for n, b in model.named_buffers()}
@@ -77,7 +84,8 @@ def per_example(model, diffusion, x0, y, t, noise) -> tuple[torch.Tensor, torch.
 
     grads = vmap(grad(loss_of), in_dims=(None, 0, 0, 0, 0))(params, x0, y, t, noise)
     losses = vmap(loss_of, in_dims=(None, 0, 0, 0, 0))(params, x0, y, t, noise)
-    return losses.detach(), torch.cat([grads[n].reshape(len(x0), -1) for n in names], 1)
+    out_sq = sum(grads[n].double().square().flatten(1).sum(1) for n in names if n.startswith(OUTPUT_LAYER))
+    return losses.detach(), torch.cat([grads[n].reshape(len(x0), -1) for n in names], 1), out_sq
 
 
 def measure(seed: int, a, tmp: Path) -> dict:
@@ -97,35 +105,43 @@ def measure(seed: int, a, tmp: Path) -> dict:
     g = torch.Generator().manual_seed(10_000 + seed)
     images = torch.as_tensor(np.asarray(data.train_images))
     labels = torch.as_tensor(data.train_labels)
-    halves = {h: {"second": [], "loss_sq": [], "grad": 0} for h in ("fit", "judge")}
+    halves = {h: {"second": [], "loss_sq": [], "out_second": [], "grad": 0} for h in ("fit", "judge")}
     for t in levels:
         idx = torch.randint(len(images), (a.examples,), generator=g)
         x0 = to_model_range(images[idx])
         noise = torch.randn(x0.shape, generator=g)
-        losses, grads = per_example(model, diffusion, x0, labels[idx], torch.full((a.examples,), int(t)), noise)
+        losses, grads, out_sq = per_example(model, diffusion, x0, labels[idx], torch.full((a.examples,), int(t)), noise)
         sq = grads.double().square().sum(1)
         for h, part in (("fit", slice(0, a.examples // 2)), ("judge", slice(a.examples // 2, None))):
             halves[h]["second"].append(float(sq[part].mean()))
             halves[h]["loss_sq"].append(float(losses[part].double().square().mean()))
+            halves[h]["out_second"].append(float(out_sq[part].mean()))
             halves[h]["grad"] = halves[h]["grad"] + grads[part].double().mean(0) / len(levels)
     second = np.array(halves["judge"]["second"])
     # |G|² without the tr(Σ)/n bias of one mean's square: the inner product of two independent means.
     g_sq = float(halves["fit"]["grad"] @ halves["judge"]["grad"])
-    fit = {k: np.array(halves["fit"][k]) for k in ("second", "loss_sq")}
+    fit = {k: np.array(halves["fit"][k]) for k in ("second", "loss_sq", "out_second")}
     samplers = {"uniform": np.full(len(levels), 1.0 / len(levels)),
                 "loss-second-moment": mixed(np.sqrt(fit["loss_sq"]))}
-    for count in BUCKETS:  # the sampler's estimate: one mean per bucket of equal t range, as the introspection's
+    for count in BUCKETS:  # one mean per bucket of equal t range, as the introspection's
         which, _ = bucket_table(np.asarray(diffusion.alphas_cumprod, dtype=np.float64), count=count, edges=[],
                                 space="t")
         bucket = which[levels]
         per_bucket = np.array([fit["second"][bucket == b].mean() for b in range(count)])
-        samplers[f"grad-norm ({count} buckets)"] = mixed(np.sqrt(per_bucket[bucket]))
-    samplers["grad-norm (per level)"] = mixed(np.sqrt(fit["second"]))
+        samplers[f"bucket means ({count})"] = mixed(np.sqrt(per_bucket[bucket]))
+        # grad-norm (timestep_sampler.py): E‖∇L_t‖² = r_b E[L_t²], r_b each bucket's gradient-to-loss ratio
+        ratio = np.array([fit["second"][bucket == b].mean() / fit["loss_sq"][bucket == b].mean()
+                          for b in range(count)])
+        samplers[f"grad-norm ({count} buckets)"] = mixed(np.sqrt(ratio[bucket] * fit["loss_sq"]))
+    samplers["per level (the optimum)"] = mixed(np.sqrt(fit["second"]))
+    # the output layer's gradient alone, per level: what `output-grad-norm` measures on every step
+    samplers["output-grad-norm (per level)"] = mixed(np.sqrt(fit["out_second"]))
     traces = {name: trace_of(p, second, g_sq) for name, p in samplers.items()}
     return {"seed": seed, "g_sq": g_sq, "trace": traces,
             "ratio_to_uniform": {n: v / traces["uniform"] for n, v in traces.items()},
             "levels": levels.tolist(), "second_moment_judge": second.tolist(),
-            "loss_sq_fit": fit["loss_sq"].tolist(), "second_moment_fit": fit["second"].tolist()}
+            "loss_sq_fit": fit["loss_sq"].tolist(), "second_moment_fit": fit["second"].tolist(),
+            "output_second_moment_fit": fit["out_second"].tolist()}
 
 
 def main() -> None:

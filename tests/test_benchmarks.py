@@ -530,8 +530,9 @@ def test_sampler_variance_benchmark_writes_each_samplers_trace_and_ratio(tmp_pat
     run("sampler_variance.py", "--seeds", "0", "--steps", "2", "--levels", "16", "--examples", "4", "--out", str(out))
     r = json.loads(out.read_text())
     (seed,) = r["runs"]
-    assert set(seed["trace"]) == {"uniform", "loss-second-moment", "grad-norm (4 buckets)", "grad-norm (8 buckets)",
-                                  "grad-norm (per level)"}
+    assert set(seed["trace"]) == {"uniform", "loss-second-moment", "bucket means (4)", "bucket means (8)",
+                                  "grad-norm (4 buckets)", "grad-norm (8 buckets)", "per level (the optimum)",
+                                  "output-grad-norm (per level)"}
     for name, tr in seed["trace"].items():
         assert seed["ratio_to_uniform"][name] == pytest.approx(tr / seed["trace"]["uniform"])
         assert r["ratio_to_uniform"][name]["median"] == pytest.approx(seed["ratio_to_uniform"][name])

@@ -79,53 +79,77 @@ import pytest  # noqa: E402
 from ddpmrepro.training.timestep_sampler import GradNormSampler, create_sampler  # noqa: E402
 
 
-def level_rows(second_moments, sampler, *, mean_sq=None):
-    """The rows NoiseLevelGradients.finish would give for buckets whose per-example gradients g = w ∇L
-    have E‖∇L‖² = second_moments under the sampler's current weights (split into |E g|² and tr Σ)."""
+def level_rows(m_t, sampler, *, mean_share=0.3):
+    """The rows NoiseLevelGradients.finish would give for buckets whose per-example gradients
+    g = w_t ∇L_t have E‖∇L_t‖² = m_t, under the sampler's current weights: E‖g‖² over a bucket's
+    examples (t drawn with p_t / P_b) is sum_{t in b} m_t / (P_b T² p_t), split into |E g|² and tr Σ."""
     p = sampler.weights() / sampler.weights().sum()
+    T = sampler.num_timesteps
     rows = []
-    for b, m in enumerate(second_moments):
-        w = 1 / (sampler.num_timesteps * p[sampler.bucket_of_t == b][0])
-        g2 = (mean_sq[b] if mean_sq is not None else 0.3 * m) * w ** 2
-        rows.append({"bucket": b, "g2": g2, "trace": m * w ** 2 - g2})
+    for b in range(sampler.count):
+        inside = sampler.bucket_of_t == b
+        second = float(np.sum(np.asarray(m_t)[inside] / (T ** 2 * p[inside])) / p[inside].sum())
+        rows.append({"bucket": b, "g2": mean_share * second, "trace": (1 - mean_share) * second})
     return rows
 
 
-def test_grad_norm_sampler_is_uniform_until_every_bucket_is_measured_and_skips_bad_estimates():
+def warm(sampler, losses_per_t):
+    """Fills the loss history with constant losses per t (E[L_t²] = L_t²)."""
+    for _ in range(sampler.history):
+        sampler.update(torch.arange(sampler.num_timesteps), torch.as_tensor(losses_per_t, dtype=torch.float64))
+
+
+def test_grad_norm_sampler_is_uniform_until_history_and_every_bucket_are_there_and_skips_bad_estimates():
     s = GradNormSampler(np.repeat(np.arange(4), 5), halflife=1e9)
+    loss = np.linspace(1.0, 2.0, 20)
+    ratio = np.array([4.0, 1.0, 9.0, 16.0])
+    m = ratio[s.bucket_of_t] * loss ** 2
+    s.update_levels(level_rows(np.ones(20), s))  # no loss history yet: nothing learnt
+    assert s.totals.sum() == 0 and np.all(s.weights() == 1)
+    warm(s, loss)
     assert not s.warmed_up() and np.all(s.weights() == 1)
-    rows = level_rows([1.0, 4.0, 9.0, 16.0], s)
+    rows = level_rows(m, s)
     s.update_levels(rows[:3] + [{**rows[3], "g2": -2.0, "trace": 1.0}])  # bucket 3: a negative estimate, noise
     assert not s.warmed_up() and np.all(s.weights() == 1)
     s.update_levels(rows[3:])
     assert s.warmed_up()
-    p = s.weights()
-    # p_t ∝ sqrt(E‖∇L‖²) per bucket (1 : 2 : 3 : 4), mixed with 0.1% uniform
-    want = np.repeat(np.array([1.0, 2.0, 3.0, 4.0]) / 50, 5) * (1 - 0.001) + 0.001 / 20
-    assert p == pytest.approx(want, rel=1e-12)
+    assert s.ratios() == pytest.approx(ratio, rel=1e-12)
+    # p_t ∝ sqrt(r_b E[L_t²]) = sqrt(r_b) L_t, mixed with 0.1% uniform
+    want = np.sqrt(m) / np.sqrt(m).sum() * (1 - 0.001) + 0.001 / 20
+    assert s.weights() == pytest.approx(want, rel=1e-12)
 
 
-def test_grad_norm_sampler_recovers_the_unweighted_second_moments_under_its_own_weights():
-    """The buckets measure gradients of the weighted loss; the sampler divides its own weight out, so
-    its estimates do not drift with the weights it draws with."""
-    truth = np.array([5.0, 1.0, 0.2])
+def test_grad_norm_sampler_recovers_the_ratios_under_its_own_weights():
+    """The buckets measure gradients of the weighted loss, drawn with the sampler's own p, which
+    varies inside a bucket; the sampler divides that out, so its estimates do not drift with it."""
     s = GradNormSampler(np.array([0, 0, 1, 1, 1, 2, 2, 2, 2, 2]), halflife=2.0)
+    loss = np.array([3.0, 1.0, 0.5, 2.0, 1.0, 0.2, 0.4, 0.1, 0.3, 0.6])
+    warm(s, loss)
+    ratio = np.array([5.0, 1.0, 20.0])
+    m = ratio[s.bucket_of_t] * loss ** 2
     for _ in range(30):
-        s.update_levels(level_rows(truth, s))  # rows measured with the weights of that moment
-        assert s.second_moments() == pytest.approx(truth, rel=1e-9)
+        s.update_levels(level_rows(m, s))  # rows measured with the weights of that moment
+        assert s.ratios() == pytest.approx(ratio, rel=1e-9)
+        assert s.second_moments() == pytest.approx(m, rel=1e-9)
 
 
 def test_grad_norm_sampler_minimises_the_estimators_second_moment_and_stays_unbiased():
-    """One bucket per t with known E‖∇L_t‖²: the estimate w_t ∇L_t has second moment
-    sum_t E‖∇L_t‖² / (T² p_t), least at p_t ∝ sqrt(E‖∇L_t‖²), where it is (mean_t sqrt(E‖∇L_t‖²))²."""
+    """With E‖∇L_t‖² = r_b E[L_t²] known: the estimate w_t ∇L_t has second moment
+    sum_t E‖∇L_t‖² / (T² p_t), least at p_t ∝ sqrt(E‖∇L_t‖²), where it is (mean_t sqrt(E‖∇L_t‖²))²;
+    IDDPM's p_t ∝ sqrt(E[L_t²]) does worse when the ratio differs between buckets."""
     rng = np.random.default_rng(0)
-    m = rng.uniform(0.01, 10, 16) ** 2
-    s = GradNormSampler(np.arange(16), halflife=1e9, uniform_prob=0.0)
+    s = GradNormSampler(np.arange(16) // 4, halflife=1e9, uniform_prob=0.0)
+    loss = rng.uniform(0.1, 3, 16)
+    warm(s, loss)
+    m = np.array([1.0, 30.0, 5.0, 0.2])[s.bucket_of_t] * loss ** 2
     s.update_levels(level_rows(m, s))
     p = s.weights() / s.weights().sum()
     second = float(np.sum(m / (16 ** 2 * p)))
     assert second == pytest.approx(np.mean(np.sqrt(m)) ** 2, rel=1e-12)
     assert second < float(np.mean(m))  # uniform's, by Cauchy-Schwarz (m not all equal)
+    iddpm = LossSecondMomentSampler(16, uniform_prob=0.0)
+    warm(iddpm, loss)
+    assert second < 0.9 * float(np.sum(m / (16 ** 2 * iddpm.weights())))
     for q in rng.dirichlet(np.ones(16), 20):  # and no other distribution does better
         assert second <= float(np.sum(m / (16 ** 2 * q)))
 
@@ -153,7 +177,8 @@ def test_grad_norm_samplers_weighted_gradient_is_the_uniform_one_exactly_by_enum
         grads.append(torch.cat([q.grad.reshape(-1) for q in model.parameters()]).double())
     grads = torch.stack(grads)  # (T, P)
     s = GradNormSampler(np.arange(T) // 3, halflife=1e9)
-    s.update_levels(level_rows(grads.square().sum(1).view(4, 3).mean(1).numpy(), s))
+    warm(s, np.linspace(0.5, 2.0, T))
+    s.update_levels(level_rows(grads.square().sum(1).numpy(), s))
     p = torch.from_numpy(s.weights() / s.weights().sum())
     _, w = s.sample_from_uniform(torch.cumsum(p, 0) - p / 2)  # u inside each t's interval: t = 0..T-1 in order
     assert not torch.allclose(p, torch.full_like(p, 1 / T))  # a non-uniform distribution
@@ -164,15 +189,17 @@ def test_grad_norm_samplers_weighted_gradient_is_the_uniform_one_exactly_by_enum
 
 def test_grad_norm_sampler_state_round_trips_and_needs_its_buckets():
     s = GradNormSampler(np.repeat(np.arange(3), 4))
-    s.update_levels(level_rows([1.0, 2.0, 3.0], s))
+    warm(s, np.arange(1.0, 13.0))
+    s.update_levels(level_rows(np.arange(1.0, 13.0) ** 2 * np.repeat([1.0, 2.0, 3.0], 4), s))
     t = GradNormSampler(np.repeat(np.arange(3), 4))
     t.load_state_dict(s.state_dict())
     assert np.array_equal(t.weights(), s.weights()) and t.warmed_up()
+    assert not np.array_equal(s.weights(), LossSecondMomentSampler(12).weights())
     with pytest.raises(ValueError, match="3 buckets, expected 4"):
         GradNormSampler(np.repeat(np.arange(4), 3)).load_state_dict(s.state_dict())
     with pytest.raises(ValueError, match="noise-level buckets"):
         create_sampler("grad-norm", 12)
-    assert not create_sampler("grad-norm", 12, np.arange(12) // 4).learns_from_losses
+    assert create_sampler("grad-norm", 12, np.arange(12) // 4).learns_from == "losses"
     assert math.isnan(GradNormSampler(np.arange(2)).second_moments()[0])
 
 
@@ -187,7 +214,8 @@ def test_grad_norm_sampler_learns_from_the_buckets_in_training_and_resumes_bitwi
 
     data = tmp_path / "data"
     prepare(P.DataParams(), data)
-    over = dict(train={"nproc": 2, "batch_per_proc": 8, "timestep_sampler": "grad-norm"},
+    # 16 steps: the loss history of the 10 timesteps is full after about 8, then the buckets calibrate it
+    over = dict(train={"nproc": 2, "batch_per_proc": 8, "timestep_sampler": "grad-norm", "steps": 16},
                 introspect={"every": 2, "noise_levels_every": 1})
     straight = write_params(tmp_path / "p.yaml", **over)
     run_train(tmp_path / "straight", data, straight, 2)
@@ -197,3 +225,147 @@ def test_grad_norm_sampler_learns_from_the_buckets_in_training_and_resumes_bitwi
     assert_same(a, b, exact=True)
     assert bool((a["sampler"]["totals"] > 0).all())  # every bucket measured: out of its uniform phase
     assert len(a["sampler"]["sums"]) == 4 and float(a["sampler"]["sums"].std()) > 0  # 4 buckets, unequal
+
+
+# --- the sampler from the output layer's per-example gradients (output-grad-norm) -------------------
+
+import torch.nn.functional as F  # noqa: E402
+from torch.func import functional_call, grad, vmap  # noqa: E402
+
+from ddpmrepro.training.output_grads import OutputGradNorms, per_example_squared_norms  # noqa: E402
+from ddpmrepro.training.timestep_sampler import DeferredUpdates, OutputGradNormSampler  # noqa: E402
+
+
+def _exact_per_example_sq(module, loss_of_output, x, names):
+    """‖∂L_i/∂θ‖² over the parameters `names` of `module`, each example alone (torch.func)."""
+    params = {n: q.detach() for n, q in module.named_parameters()}
+
+    def one(ps, xi):
+        return loss_of_output(functional_call(module, ps, (xi[None],)))
+
+    g = vmap(grad(one), in_dims=(None, 0))(params, x)
+    return sum(g[n].double().square().flatten(1).sum(1) for n in names)
+
+
+@pytest.mark.parametrize("kernel,padding,bias", [(3, 1, True), (1, 0, True), (3, 1, False), (5, 2, True)])
+def test_per_example_conv_gradient_norms_equal_each_examples_own_gradient(kernel, padding, bias):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(5, 3, kernel, padding=padding, bias=bias)
+    x = torch.randn(6, 5, 7, 9) * torch.linspace(0.3, 2.0, 6)[:, None, None, None]  # examples of other sizes
+    target = torch.randn(6, 3, 7, 9)
+    out = conv(x)
+    # a loss whose per-example parts differ: the gradient at the output is each example's own
+    ((out - target) ** 3).sum().backward()
+    got = per_example_squared_norms(conv, x, (3 * (out - target) ** 2).detach())
+    # each example alone, with its own target, by torch.func
+    names = ["weight", "bias"] if bias else ["weight"]
+    want = torch.cat([_exact_per_example_sq(conv, lambda o, i=i: ((o - target[i:i + 1]) ** 3).sum(), x[i:i + 1], names)
+                      for i in range(len(x))])
+    assert float(want.max()) > 2 * float(want.min())
+    assert torch.allclose(got.double(), want, rtol=1e-4)
+    # the batch gradient is the sum of the per-example ones (the same contraction, summed first)
+    per_example_w = torch.stack([torch.func.grad(lambda w, i=i: ((F.conv2d(x[i:i + 1], w, conv.bias, padding=padding)
+                                                                   - target[i:i + 1]) ** 3).sum())(conv.weight.detach())
+                                 for i in range(len(x))])
+    assert torch.allclose(per_example_w.sum(0), conv.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def _tiny_unet(T_classes=3):
+    from ddpmrepro import params as P
+    from ddpmrepro.model.unet import build_unet
+
+    torch.manual_seed(0)
+    model = build_unet(P.ModelParams(channels=8, channel_mult=[1], num_res_blocks=1, attention_resolutions=[],
+                                     num_head_channels=8, dropout=0.0), image_size=8, in_channels=1,
+                       num_classes=T_classes, learn_sigma=False)
+    for q in model.parameters():  # zero-initialised layers too: every weight random
+        q.data.normal_(0, 0.2)
+    return model
+
+
+def test_the_sampler_gets_each_examples_output_layer_gradient_norm_of_its_unweighted_loss():
+    """Through the loop's seam (DeferredUpdates): after a backward of sum(w_i L_i) x c with a recorded
+    step's extra pass before it, the values queued are ‖∂L_i/∂θ_out‖ of each example's unweighted loss,
+    as torch.func computes them example by example, with every weight of the UNet random."""
+    from ddpmrepro.model.diffusion import GaussianDiffusion, get_beta_schedule
+
+    model = _tiny_unet()
+    diffusion = GaussianDiffusion(get_beta_schedule("cosine", 20))
+    B = 5
+    g = torch.Generator().manual_seed(1)
+    x0, noise = torch.rand(B, 1, 8, 8, generator=g) * 2 - 1, torch.randn(B, 1, 8, 8, generator=g)
+    y, t = torch.tensor([0, 1, 2, 1, 0]), torch.tensor([0, 3, 7, 12, 19])
+    weights = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25])
+    sampler = OutputGradNormSampler(20, history=2)
+    updates = DeferredUpdates(sampler, model)
+    losses = diffusion.training_losses(lambda x, tt: model(x, tt, y), x0, t, noise=noise)["loss"]
+    (losses[:2].sum() * 7).backward(retain_graph=True)  # an introspection pass first: not the one read
+    multiplier = 64.0 / (B * 2)  # a loss scale of 64, 2 microbatches
+    ((losses * weights).mean() / 2 * 64.0).backward()
+    updates.add(t, losses, weights, grad_multiplier=multiplier)
+    updates.flush()
+    got = torch.from_numpy(sampler.loss_history[t.numpy(), 0])
+
+    names = [n for n, _ in model.named_parameters() if n.startswith("out.2.")]
+    params = {n: q.detach() for n, q in model.named_parameters()}
+
+    def loss_of(ps, x, yy, tt, nn):
+        fn = lambda xt, ts: functional_call(model, ps, (xt, ts, yy[None]))  # noqa: E731
+        return diffusion.training_losses(fn, x[None], tt[None], noise=nn[None])["loss"][0]
+
+    grads = vmap(grad(loss_of), in_dims=(None, 0, 0, 0, 0))(params, x0, y, t, noise)
+    want = sum(grads[n].double().square().flatten(1).sum(1) for n in names).sqrt()
+    assert float(want.min()) > 0 and float(want.max()) > 2 * float(want.min())  # they differ per example
+    assert torch.allclose(got, want, rtol=1e-4)
+    assert sampler.loss_counts[t.numpy()].tolist() == [1] * B and sampler.loss_counts.sum() == B
+    updates.output_grads.close()
+
+
+def test_only_output_grad_norm_hooks_the_model_and_the_others_learn_what_they_did():
+    model = _tiny_unet()
+    for name, learns in (("uniform", None), ("loss-second-moment", "losses"), ("grad-norm", "losses"),
+                         ("output-grad-norm", "output_grads")):
+        s = create_sampler(name, 12, np.arange(12) // 4)
+        u = DeferredUpdates(s, model)
+        assert s.learns_from == learns and (u.output_grads is not None) == (learns == "output_grads")
+        if u.output_grads is not None:
+            u.output_grads.close()
+    assert not model.out[-1]._forward_hooks  # closed: nothing left on the model
+    lsm = create_sampler("loss-second-moment", 4)
+    u = DeferredUpdates(lsm)
+    u.add(torch.tensor([1, 2]), torch.tensor([0.5, float("inf")]), torch.ones(2), grad_multiplier=1.0)
+    u.flush()
+    assert lsm.loss_counts.tolist() == [0, 1, 0, 0]  # the loss as it was (not weighted), the inf left out
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        OutputGradNorms(model).norms()
+
+
+@pytest.mark.slow
+def test_output_grad_norm_sampler_two_processes_equal_one_and_resume_bitwise(tmp_path):
+    """train.timestep_sampler: output-grad-norm through the CLI: 2 processes with 8 examples each keep
+    the history 1 process with 16 keeps (the norms gathered in the global batch's order, each of its
+    example's own loss whatever the microbatch), and a 2-process run killed after its checkpoint at step
+    4 resumes to the uninterrupted run's bits, the sampler's history included."""
+    from ddpmrepro import params as P
+    from ddpmrepro.data import prepare
+    from test_train import assert_same, final_state, kill_after_checkpoint, run_train, write_params
+
+    data = tmp_path / "data"
+    prepare(P.DataParams(), data)
+    sampler = {"timestep_sampler": "output-grad-norm"}
+    one = write_params(tmp_path / "one.yaml", train={**sampler, "nproc": 1, "batch_per_proc": 16})
+    two = write_params(tmp_path / "two.yaml", train={**sampler, "nproc": 2, "batch_per_proc": 8})
+    run_train(tmp_path / "one", data, one, 1)
+    run_train(tmp_path / "straight", data, two, 2)
+    kill_after_checkpoint(tmp_path / "resumed", data, two, 2, step=4)
+    run_train(tmp_path / "resumed", data, two, 2)
+    a, b = final_state(tmp_path / "straight"), final_state(tmp_path / "resumed")
+    assert_same(a, b, exact=True)
+    # 8 steps x 16 examples over 10 timesteps: every t seen, the full history of 10 (a ring) reached
+    counts, hist = a["sampler"]["loss_counts"], a["sampler"]["loss_history"]
+    assert bool((counts > 0).all()) and int(counts.max()) == 10
+    filled = torch.arange(10)[None, :] < counts[:, None]
+    assert bool((hist[filled] > 0).all()) and bool((hist[~filled] == 0).all())
+    c = final_state(tmp_path / "one")
+    assert torch.equal(c["sampler"]["loss_counts"], counts)  # the same t drawn: the same history slots
+    assert torch.allclose(c["sampler"]["loss_history"], hist, rtol=1e-3)

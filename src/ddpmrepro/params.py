@@ -216,12 +216,15 @@ class TrainParams:
                       doc="`blocks`: torch.compile each residual and attention block's forward (regional "
                           "compilation; docs/BENCHMARKS.md has when it pays). Needs a C++ compiler on CPU, "
                           "Triton on GPUs. Inductor's caches go to CHECKPOINTS/inductor-cache.")
-    timestep_sampler: str = _f("loss-second-moment", choices=("uniform", "loss-second-moment", "grad-norm"),
+    timestep_sampler: str = _f("loss-second-moment",
+                               choices=("uniform", "loss-second-moment", "grad-norm", "output-grad-norm"),
                                doc="IDDPM's importance sampling: p_t proportional to sqrt(E[L_t^2]) over the "
                                    "last 10 losses per t, uniform until all are filled; `grad-norm`: p_t "
                                    "proportional to sqrt(E|grad L_t|^2) per noise-level bucket, measured by the "
-                                   "introspection's buckets on their steps (needs them on: "
-                                   "docs/INTROSPECTION.md, Balancing the noise levels).")
+                                   "introspection's buckets on their steps (needs them on); "
+                                   "`output-grad-norm`: the same per t from the last 10 per-example gradient "
+                                   "norms of the output layer, on every step (docs/INTROSPECTION.md, Balancing "
+                                   "the noise levels).")
     label_dropout: float = _f(0.1, min=0.0, max=1.0, doc="Share of labels replaced by the null class "
                                                          "(classifier-free guidance).")
     checkpoint_every: int = _f(500, min=1, doc="Save a resumable checkpoint every k steps (and at the end "

@@ -13,9 +13,14 @@ same weights.
 E[L_t^2] stands in for what the variance of the gradient estimate depends on: an unbiased
 estimate w_t ∇L_t(x) with t ~ p has second moment sum_t E‖∇L_t‖² / (T² p_t), least for
 p_t ∝ sqrt(E_x‖∇θ L_t(x)‖²) (the Cauchy-Schwarz bound; Alain et al. 2015 for examples,
-here for noise levels). `GradNormSampler` draws with that, per noise-level bucket: the
-introspection's buckets (`noise_levels.py`) measure, on its steps, each bucket's mean gradient
-and its covariance's trace from two halves, whose sum is the bucket's E‖w ∇L‖² (`update_levels`).
+here for noise levels). Two samplers draw by it:
+- `GradNormSampler` (`grad-norm`): the introspection's noise-level buckets (`noise_levels.py`)
+  measure, on its steps, each bucket's mean gradient and its covariance's trace from two halves,
+  whose sum is the bucket's E‖w ∇L‖² of the whole network (`update_levels`); IDDPM's loss history
+  spreads each bucket's measurement over its t (E‖∇L_t‖² = r_b E[L_t²]);
+- `OutputGradNormSampler` (`output-grad-norm`), per t on every step: IDDPM's history of the last
+  10 values per t, of each example's gradient norm of the output layer (output_grads.py) in place
+  of its loss. The last layer stands in for the network; per t and on every step.
 """
 from __future__ import annotations
 
@@ -25,9 +30,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .output_grads import OutputGradNorms
+
 
 class UniformSampler:
-    learns_from_losses = False  # whether `update(t, losses)` changes anything (DeferredUpdates gathers only then)
+    # what `update(t, values)` learns from, per example: "losses", "output_grads" (the output layer's
+    # gradient norms), or None (nothing: DeferredUpdates gathers and queues nothing)
+    learns_from = None
 
     def __init__(self, num_timesteps: int):
         self.num_timesteps = num_timesteps
@@ -67,7 +76,7 @@ class UniformSampler:
 
 
 class LossSecondMomentSampler(UniformSampler):
-    learns_from_losses = True
+    learns_from = "losses"
 
     def __init__(self, num_timesteps: int, history: int = 10, uniform_prob: float = 0.001):
         super().__init__(num_timesteps)
@@ -120,64 +129,92 @@ class LossSecondMomentSampler(UniformSampler):
         self.loss_counts = state["loss_counts"].numpy().astype(np.int64).copy()
 
 
-class GradNormSampler(UniformSampler):
-    """p_t ∝ sqrt(E‖∇θ L_t‖²), one value per noise-level bucket (uniform over the bucket's t),
-    mixed with a small uniform share; uniform until every bucket has an estimate.
+class OutputGradNormSampler(LossSecondMomentSampler):
+    """p_t ∝ sqrt(E‖∇_out L_t‖²): IDDPM's sampler, its history fed each example's gradient norm of
+    the output layer (of the unweighted loss) in place of the loss. The same state, warm-up,
+    uniform share, DDP gathering and checkpoint entries."""
+    learns_from = "output_grads"
+
+
+class GradNormSampler(LossSecondMomentSampler):
+    """p_t ∝ sqrt(E‖∇θ L_t‖²), modelled as r_b E[L_t²]: IDDPM's history of the last losses per t gives
+    the shape within each noise-level bucket b, and the buckets' measured gradients give r_b, the
+    bucket's ratio of the gradient's second moment to the loss's. Mixed with a small uniform share;
+    uniform until the loss history is full and every bucket has a ratio.
+
+    Why both: the buckets measure the whole network's gradient, but only a few of them, on recorded
+    steps, from a few examples each; the losses come for every example on every step, per t, but the
+    gradient's size per unit of loss changes with the noise level (at 400 steps on the digits, by
+    20x from the least to the most noisy level: benchmarks/sampler_variance.py). At one model, with
+    4 or 8 buckets this came within 0.02 of the optimum's tr(Σ), which one bucket per level gives,
+    where the buckets alone or the loss alone stay 0.05-0.10 above it (docs/INTROSPECTION.md).
 
     `update_levels(rows)` takes the bucket rows of a measured step (`NoiseLevelGradients.finish`:
-    `g2` = |E g|² and `trace` = tr(Σ) of the bucket's per-example gradients g = w ∇L, the
-    importance weight w included). Their sum is E‖g‖²; the weights the step drew with are those
-    of `weights()` until this update, constant over a bucket, so E‖∇L‖² = E‖g‖² / w_b². Each
-    bucket keeps an exponential average over measured steps (half-life `halflife` of them, bias-
-    corrected as Adam's moments). A non-positive or non-finite estimate (too few examples: the
-    two-halves estimate is unbiased, not positive) leaves that bucket's average as it was. The rows
-    are those of the whole global batch, identical on every rank after the buckets' all-reduce,
-    so the ranks stay in step without a collective of their own. `update(t, losses)` learns
-    nothing: the sampler needs no losses."""
+    `g2` = |E g|² and `trace` = tr(Σ) of the bucket's per-example gradients g = w_t ∇L_t, the
+    importance weight included). Their sum is E‖g‖² over the bucket's examples, drawn with p_t / P_b:
+    under the model, r_b sum_{t in b} E[L_t²] / (P_b T² p_t), with p the weights the step drew with
+    (those of `weights()` until this update), so r_b is that sum divided out. Each bucket keeps an
+    exponential average over measured steps (half-life `halflife` of them, bias-corrected as Adam's
+    moments). A non-positive or non-finite estimate (too few examples: the two-halves estimate is
+    unbiased, not positive) leaves that bucket's average as it was. The rows are those of the whole
+    global batch, identical on every rank after the buckets' all-reduce, and the losses are gathered
+    as IDDPM's sampler gathers them, so the ranks stay in step."""
 
-    def __init__(self, bucket_of_t: np.ndarray, halflife: float = 10.0, uniform_prob: float = 0.001):
-        super().__init__(len(bucket_of_t))
+    def __init__(self, bucket_of_t: np.ndarray, halflife: float = 10.0, uniform_prob: float = 0.001,
+                 history: int = 10):
+        super().__init__(len(bucket_of_t), history=history, uniform_prob=uniform_prob)
         self.bucket_of_t = np.asarray(bucket_of_t, dtype=np.int64)
         self.count = int(self.bucket_of_t.max()) + 1
-        self.decay, self.uniform_prob = 0.5 ** (1.0 / halflife), uniform_prob
-        self.sums = np.zeros(self.count)     # averages' numerators: E‖∇L‖² per bucket
+        self.decay = 0.5 ** (1.0 / halflife)
+        self.sums = np.zeros(self.count)     # averages' numerators: r_b per bucket
         self.totals = np.zeros(self.count)   # their bias corrections (1 - decay^k)
 
     def warmed_up(self) -> bool:
-        return bool((self.totals > 0).all())
+        return super().warmed_up() and bool((self.totals > 0).all())
 
-    def second_moments(self) -> np.ndarray:
-        """E‖∇θ L_t‖² per bucket (NaN where not measured yet)."""
+    def ratios(self) -> np.ndarray:
+        """r_b = E‖∇θ L‖² / E[L²] per bucket (NaN where not measured yet)."""
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.totals > 0, self.sums / self.totals, np.nan)
+
+    def second_moments(self) -> np.ndarray:
+        """The model's E‖∇θ L_t‖² per t: r_b E[L_t²] (NaN where a bucket has no ratio yet)."""
+        return self.ratios()[self.bucket_of_t] * np.mean(self.loss_history ** 2, axis=-1)
 
     def weights(self) -> np.ndarray:
         if not self.warmed_up():
             return np.ones(self.num_timesteps, dtype=np.float64)
-        w = np.sqrt(self.second_moments())[self.bucket_of_t]
+        w = np.sqrt(self.second_moments())
         w /= w.sum()
         w *= 1 - self.uniform_prob
         w += self.uniform_prob / len(w)
         return w
 
     def update_levels(self, rows: list[dict]) -> None:
+        if not LossSecondMomentSampler.warmed_up(self):
+            return  # no loss history to scale yet
         p = self.weights() / self.weights().sum()
+        loss_sq = np.mean(self.loss_history ** 2, axis=-1)
+        T = self.num_timesteps
         for r in rows:
             b = r["bucket"]
-            w_b = 1.0 / (self.num_timesteps * p[self.bucket_of_t == b][0])  # one weight per bucket
-            second = (r["g2"] + r["trace"]) / w_b ** 2
-            if not (math.isfinite(second) and second > 0):
+            inside = self.bucket_of_t == b
+            per_unit_ratio = float(np.sum(loss_sq[inside] / (T ** 2 * p[inside])) / p[inside].sum())
+            ratio = (r["g2"] + r["trace"]) / per_unit_ratio
+            if not (math.isfinite(ratio) and ratio > 0):
                 continue
-            self.sums[b] = self.decay * self.sums[b] + (1 - self.decay) * second
+            self.sums[b] = self.decay * self.sums[b] + (1 - self.decay) * ratio
             self.totals[b] = self.decay * self.totals[b] + (1 - self.decay)
 
     def state_dict(self) -> dict:
-        return {"sums": torch.from_numpy(self.sums.copy()), "totals": torch.from_numpy(self.totals.copy())}
+        return {**super().state_dict(), "sums": torch.from_numpy(self.sums.copy()),
+                "totals": torch.from_numpy(self.totals.copy())}
 
     def load_state_dict(self, state: dict) -> None:
         sums, totals = state["sums"].numpy(), state["totals"].numpy()
         if sums.shape != self.sums.shape or totals.shape != self.totals.shape:
             raise ValueError(f"sampler state has {len(sums)} buckets, expected {self.count}")
+        super().load_state_dict(state)
         self.sums, self.totals = sums.astype(np.float64).copy(), totals.astype(np.float64).copy()
 
 
@@ -200,7 +237,8 @@ def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Ten
 
 
 class PendingUpdate:
-    """One microbatch's (t, loss), gathered over ranks, on their way to the host.
+    """One microbatch's (t, loss) (or another per-example value), gathered over ranks, on their way
+    to the host.
 
     `update` runs on the host; calling `.cpu()` right after the forward pass would stall the host
     until the GPU got there, once per step. Instead the copy is queued (pinned memory, non-blocking)
@@ -227,16 +265,24 @@ class PendingUpdate:
 
 class DeferredUpdates:
     """The sampler updates still on their way to the host, applied in order by `flush` (just before
-    the next draw, and before the sampler's state is saved). A sampler that learns nothing from the
-    losses (uniform, grad-norm) gets nothing gathered or queued."""
+    the next draw, and before the sampler's state is saved). A sampler that learns nothing per
+    example (uniform) gets nothing gathered or queued; `output-grad-norm` gets hooks on
+    the model's output layer (output_grads.py), and only it: the other samplers' runs are unchanged."""
 
-    def __init__(self, sampler: UniformSampler):
+    def __init__(self, sampler: UniformSampler, model: torch.nn.Module | None = None):
         self.sampler, self.pending = sampler, []
-        self.learns = sampler.learns_from_losses
+        self.learns_from = sampler.learns_from
+        self.output_grads = OutputGradNorms(model) if self.learns_from == "output_grads" else None
 
-    def add(self, t: torch.Tensor, losses: torch.Tensor) -> None:
-        if self.learns:
+    def add(self, t: torch.Tensor, losses: torch.Tensor, weights: torch.Tensor, grad_multiplier: float) -> None:
+        """After a microbatch's backward pass: queues what the sampler learns from, per example.
+        `losses` unweighted; `weights` the importance weights; `grad_multiplier` what the backward
+        pass scaled the sum of the weighted losses by (loss scale / (microbatch x accumulation)), so
+        that the output layer's norms are those of each example's own unweighted loss."""
+        if self.learns_from == "losses":
             self.pending.append(PendingUpdate(t, losses))
+        elif self.learns_from == "output_grads":
+            self.pending.append(PendingUpdate(t, self.output_grads.norms() / (grad_multiplier * weights.float())))
 
     def flush(self) -> None:
         while self.pending:
@@ -249,6 +295,8 @@ def create_sampler(name: str, num_timesteps: int, bucket_of_t: np.ndarray | None
         return UniformSampler(num_timesteps)
     if name == "loss-second-moment":
         return LossSecondMomentSampler(num_timesteps)
+    if name == "output-grad-norm":
+        return OutputGradNormSampler(num_timesteps)
     if name == "grad-norm":
         if bucket_of_t is None or len(bucket_of_t) != num_timesteps:
             raise ValueError("the grad-norm sampler needs the noise-level buckets of every timestep")
