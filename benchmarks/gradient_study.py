@@ -182,9 +182,11 @@ def main() -> None:
         runs = {d.name: {"config": d.name.rsplit("-s", 1)[0], "seed": int(d.name.rsplit("-s", 1)[1]),
                          **summarise(d, a.steps)} for d in dirs}
         write_result({"command": _command(a) + " (then --summarise of the runs kept: " + ", ".join(runs) + ")",
-                      "steps": a.steps, "seeds": a.seeds, "configs": CONFIGS, "runs": runs}, a.out)
+                      "steps": a.steps, "seeds": a.seeds, "configs": CONFIGS,
+                      "paired_trace_ratio": paired_ratios(runs), "runs": runs}, a.out)
         plot(runs, a.out.with_suffix(".png"))
         print(table(runs))
+        print(paired_text(paired_ratios(runs)))
         return
     env = study_env(a.workdir)
     repo = make_repo(a.workdir, a.steps, env)
@@ -207,10 +209,11 @@ def main() -> None:
             print(f"{name:16} seed {seed}: B_simple(late) {r['b_simple_late']:9.1f}  vb {r['vb_late_mean']:.4f}  "
                   f"mse {r['mse_late_mean']:.4f}  fid {r['metrics'].get('fid', math.nan):.3f}  "
                   f"acc {r['metrics'].get('class_acc', math.nan)}  ({r['wall_s']:.0f} s)", flush=True)
-    write_result({"command": _command(a), "steps": a.steps,
-                  "seeds": a.seeds, "configs": CONFIGS, "runs": runs}, a.out)
+    write_result({"command": _command(a), "steps": a.steps, "seeds": a.seeds, "configs": CONFIGS,
+                  "paired_trace_ratio": paired_ratios(runs), "runs": runs}, a.out)
     plot(runs, a.out.with_suffix(".png"))
     print(table(runs))
+    print(paired_text(paired_ratios(runs)))
 
 
 def table(runs: dict) -> str:
@@ -239,6 +242,32 @@ def table(runs: dict) -> str:
             else:
                 cells.append(f"{fmt.format(statistics.fmean(vals))} ({fmt.format(min(vals))}..{fmt.format(max(vals))})")
         lines.append(f"| {config} | {len(rs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def paired_ratios(runs: dict, key: str = "gns_trace_late_mean", references=("mse_none", "mse_loss_moment")) -> dict:
+    """Seed by seed, each configuration's `key` over a reference configuration's at the same seed
+    (the same initial weights and data order): {reference: {config: {seed: ratio}}}. Seeds differ
+    from each other more than the methods do, so the ranges of the means can overlap while every
+    paired ratio is on one side of 1."""
+    by = {(r["config"], r["seed"]): r.get(key) for r in runs.values()}
+    out = {}
+    for ref in references:
+        out[ref] = {}
+        for (config, seed), v in by.items():
+            base = by.get((ref, seed))
+            if config != ref and isinstance(v, (int, float)) and isinstance(base, (int, float)) and base:
+                out[ref].setdefault(config, {})[seed] = v / base
+    return out
+
+
+def paired_text(ratios: dict) -> str:
+    lines = []
+    for ref, configs in ratios.items():
+        for config, per_seed in configs.items():
+            vals = [per_seed[s] for s in sorted(per_seed)]
+            lines.append(f"tr(Σ) {config} / {ref}, seed by seed: " + ", ".join(f"{v:.3f}" for v in vals)
+                         + f" (range {min(vals):.3f}..{max(vals):.3f})")
     return "\n".join(lines)
 
 

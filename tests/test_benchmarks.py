@@ -581,3 +581,19 @@ def test_gradient_study_reads_each_buckets_share_and_draws_them_per_configuratio
     from PIL import Image
     img = np.asarray(Image.open(tmp_path / "shares.png").convert("L"), dtype=float)
     assert img.shape[1] > 2 * img.shape[0] * 0.9 and img.std() > 5  # two panels side by side, not blank
+
+
+def test_gradient_study_pairs_each_configuration_with_the_reference_at_the_same_seed():
+    """paired_ratios: seed by seed, never across seeds; the reference itself, a seed the reference
+    lacks and a missing value are left out."""
+    import gradient_study
+
+    runs = {"a": {"config": "mse_none", "seed": 0, "gns_trace_late_mean": 4.0},
+            "b": {"config": "mse_none", "seed": 1, "gns_trace_late_mean": 5.0},
+            "c": {"config": "mse_x", "seed": 0, "gns_trace_late_mean": 3.0},
+            "d": {"config": "mse_x", "seed": 1, "gns_trace_late_mean": 4.5},
+            "e": {"config": "mse_x", "seed": 2, "gns_trace_late_mean": 1.0},
+            "f": {"config": "mse_y", "seed": 0}}
+    got = gradient_study.paired_ratios(runs, references=("mse_none",))
+    assert got == {"mse_none": {"mse_x": {0: 0.75, 1: 0.9}}}
+    assert gradient_study.paired_text(got) == "tr(Σ) mse_x / mse_none, seed by seed: 0.750, 0.900 (range 0.750..0.900)"
