@@ -141,7 +141,7 @@ def interpolated(runs: dict, names: tuple[str, str] = WEIGHTINGS) -> dict:
 
 def table(runs: dict, steps: int, names: tuple[str, str] = WEIGHTINGS) -> str:
     none, min_snr = names
-    lines = [f"| threshold | steps, none (per seed) | steps, {min_snr} (per seed) | none / min_snr (per seed) |",
+    lines = [f"| threshold | steps, none (per seed) | steps, {min_snr} (per seed) | none / {min_snr} (per seed) |",
              "|---|---|---|---|"]
     fmt = lambda v: str(v) if v is not None else f">{steps}"
     for name, row in summary(runs, steps, names).items():

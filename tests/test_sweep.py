@@ -98,15 +98,18 @@ def test_queued_experiments_run_side_by_side_on_disjoint_cores_and_equal_solo_ru
 
     # Two experiments computed at the same time, each in its own clone, never two on one core.
     torch_jobs = [[job for job in snap if job[1] in TORCH_STAGES] for snap in watcher.snapshots]
-    assert max(len({exp for exp, _, _ in snap}) for snap in torch_jobs) == 2
+    # what the watcher saw, stage by stage, for a failure's message: [(experiment, stage, cores), ...] as they changed
+    seen = [snap for i, snap in enumerate(torch_jobs) if snap and (i == 0 or snap != torch_jobs[i - 1])]
+    timeline = f"{len(watcher.snapshots)} snapshots; the changes:\n" + "\n".join(map(str, seen[:200]))
+    assert max(len({exp for exp, _, _ in snap}) for snap in torch_jobs) == 2, timeline
     trains = {exp for snap in torch_jobs for exp, stage, _ in snap if stage == "train"}
-    assert len(trains) == 2  # two clones, so two checkpoint directories: nothing shared
+    assert len(trains) == 2, timeline  # two clones, so two checkpoint directories: nothing shared
     for snap in torch_jobs:
         claimed = [cores for _, _, cores in snap if len(cores) == 1]  # pinned to its one claimed core
-        assert len(claimed) == len(set(claimed)), snap
+        assert len(claimed) == len(set(claimed)), (snap, timeline)
     pinned = {(exp, stage) for snap in torch_jobs for exp, stage, cores in snap if len(cores) == 1}
-    assert {(exp, "train") for exp in trains} <= pinned  # each training ran on the one core it claimed
-    assert checkpoint_dirs() == baseline_checkpoints  # the queue never trained in the workspace
+    assert {(exp, "train") for exp in trains} <= pinned, timeline  # each training ran on the one core it claimed
+    assert checkpoint_dirs() == baseline_checkpoints, checkpoint_dirs()  # the queue never trained in the workspace
 
     # Queued experiments add State and Executor columns; the comparison still fits 160 columns.
     wanted, lines = only_changed_table(repo, 160)
