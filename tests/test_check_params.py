@@ -45,6 +45,9 @@ def test_writes_every_section_resolved_and_rewrites_only_what_changed(tmp_path):
     ("trian:\n  lr: 0.1\n", "params.yaml: trian: unknown key"),
     ("sample:\n  eta: lots\n", "params.yaml: sample.eta: expected a number"),
     ("train: [\n", "params.yaml: line"),
+    ("train:\n  timestep_sampler: output-grad-nrm\n", "params.yaml: train.timestep_sampler: 'output-grad-nrm' "
+                                                      "is not one of uniform | loss-second-moment | grad-norm | "
+                                                      "output-grad-norm"),
 ])
 def test_a_bad_file_is_one_line_exit_2_and_leaves_the_resolved_files_alone(tmp_path, params, message):
     assert check(tmp_path, "{}\n").returncode == 0
