@@ -220,8 +220,9 @@ class TrainParams:
                                choices=("uniform", "loss-second-moment", "grad-norm", "output-grad-norm"),
                                doc="IDDPM's importance sampling: p_t proportional to sqrt(E[L_t^2]) over the "
                                    "last 10 losses per t, uniform until all are filled; `grad-norm`: p_t "
-                                   "proportional to sqrt(E|grad L_t|^2) per noise-level bucket, measured by the "
-                                   "introspection's buckets on their steps (needs them on); "
+                                   "proportional to sqrt(E|grad L_t|^2), each noise-level bucket's gradient "
+                                   "(measured by the introspection's buckets on their steps: needs them on) "
+                                   "spread over its t by that loss history; "
                                    "`output-grad-norm`: the same per t from the last 10 per-example gradient "
                                    "norms of the output layer, on every step (docs/INTROSPECTION.md, Balancing "
                                    "the noise levels).")
