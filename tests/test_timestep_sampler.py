@@ -369,3 +369,34 @@ def test_output_grad_norm_sampler_two_processes_equal_one_and_resume_bitwise(tmp
     c = final_state(tmp_path / "one")
     assert torch.equal(c["sampler"]["loss_counts"], counts)  # the same t drawn: the same history slots
     assert torch.allclose(c["sampler"]["loss_history"], hist, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_output_grad_norms_reach_the_sampler_without_waiting_for_the_gpu():
+    """On a card: after the backward pass, the per-example norms, their unweighting and the queued
+    copy to the host (pinned, non-blocking) make no host sync; the history gets them at `flush`."""
+    from ddpmrepro.model.diffusion import GaussianDiffusion, get_beta_schedule
+
+    model = _tiny_unet().cuda()
+    diffusion = GaussianDiffusion(get_beta_schedule("cosine", 20))
+    sampler = OutputGradNormSampler(20, history=2)
+    updates = DeferredUpdates(sampler, model)
+    B = 6
+    g = torch.Generator(device="cuda").manual_seed(0)
+    y = torch.randint(0, 3, (B,), device="cuda", generator=g)
+    t = torch.randint(0, 20, (B,), device="cuda", generator=g)
+    weights = torch.rand(B, device="cuda", generator=g) + 0.5
+    for attempt in range(2):  # the first one warms the kernels up
+        x0 = torch.rand(B, 1, 8, 8, device="cuda", generator=g) * 2 - 1
+        losses = diffusion.training_losses(lambda x, tt: model(x, tt, y), x0, t)["loss"]
+        (losses * weights).mean().backward()
+        if attempt:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            updates.add(t, losses, weights, grad_multiplier=1 / B)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    updates.flush()
+    seen = np.bincount(t.cpu().numpy(), minlength=20)
+    assert sampler.loss_counts.tolist() == np.minimum(2 * seen, 2).tolist()  # both steps' norms, history 2
+    assert bool((sampler.loss_history[seen > 0] > 0).all())
