@@ -13,6 +13,7 @@ at 1.0, one EMA):
                 pipeline does per step (per-example seeded draws, EMA, loss statistics, a dvclive log
                 line per block). One run for the whole benchmark, paused after every block.
   ddpmrepro+is  the same with IDDPM's loss-second-moment importance sampler (the default)
+  ddpmrepro+ogn the same with `output-grad-norm` (the output layer's per-example gradient norms, hooks)
   plain         what one writes by hand: random batch, q_sample, MSE, backward, clip, AdamW, EMA lerp
   diffusers     diffusers' UNet2DModel configured with the same channels, blocks and attention, trained
                 with DDPMScheduler.add_noise in the plain loop (needs `pip install -e .[bench]`)
@@ -63,6 +64,10 @@ def model_params(a) -> P.ModelParams:
 def architecture(a) -> dict:
     """The preset's architecture with --model-channels applied (what every contender builds)."""
     return {**PRESETS[a.preset], **width(a)}
+
+
+# a ddpmrepro mode's suffix -> its timestep sampler (`ddpmrepro+is`, `ddpmrepro+ogn`)
+SAMPLER_OF_MODE = {"is": "loss-second-moment", "ogn": "output-grad-norm"}
 
 
 def bench_params(a, sampler: str, total_steps: int, compile: str = "none") -> P.Params:
@@ -303,7 +308,8 @@ def main() -> None:
         tmp = Path(d)
         data_dir = tmp / "prepared"
         prepare(P.DataParams(image_size=a.image_size, channels=a.channels), data_dir)
-        ours = {m: DdpmreproLoop(bench_params(a, "loss-second-moment" if "+is" in m else "uniform", total,
+        ours = {m: DdpmreproLoop(bench_params(a, SAMPLER_OF_MODE.get(m.split("+")[1] if "+" in m else "", "uniform"),
+                                              total,
                                               compile="blocks" if m.endswith("+compile") else "none"),
                                  train_paths(tmp, data_dir)) for m in modes if m.startswith("ddpmrepro")}
         p = bench_params(a, "uniform", total).train

@@ -153,16 +153,16 @@ def check_paired(t: dict, names: set, rounds: int, reference: str, threads: int)
 def test_train_step_benchmark_pairs_ddpmrepro_with_the_plain_loop(tmp_path):
     out = tmp_path / "train.json"
     run("train_step.py", "--batch", "8", "--steps", "2", "--warmup", "1", "--rounds", "6", "--threads", "1",
-        "--modes", "ddpmrepro,ddpmrepro+is,plain", "--out", str(out))
+        "--modes", "ddpmrepro,ddpmrepro+is,ddpmrepro+ogn,plain", "--out", str(out))
     r = json.loads(out.read_text())
-    names = {"ddpmrepro", "ddpmrepro+is", "plain"}
+    names = {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn", "plain"}
     check_paired(r["timing"], names, 6, "plain", threads=1)
     assert r["threads"] == 1 and r["params"]["plain"] == 457_761  # the default tiny UNet
     assert r["step_time_ratio_vs_plain"]["ddpmrepro"] == r["timing"]["ratio_wall"]["ddpmrepro"]
-    assert set(r["target"]["verdict"]) == {"ddpmrepro", "ddpmrepro+is"}
+    assert set(r["target"]["verdict"]) == {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn"}
     assert "--threads 1" in r["command"] and "--rounds 6" in r["command"]
     rows = table_rows(out)
-    assert len(rows) == 3 and f"{r['timing']['ratio_wall']['ddpmrepro']['median']:.3f} [" in rows[0]
+    assert len(rows) == 4 and f"{r['timing']['ratio_wall']['ddpmrepro']['median']:.3f} [" in rows[0]
 
 
 @pytest.mark.slow
