@@ -144,10 +144,11 @@ class GradNormSampler(LossSecondMomentSampler):
 
     Why both: the buckets measure the whole network's gradient, but only a few of them, on recorded
     steps, from a few examples each; the losses come for every example on every step, per t, but the
-    gradient's size per unit of loss changes with the noise level (at 400 steps on the digits, by
-    20x from the least to the most noisy level: benchmarks/sampler_variance.py). At one model, with
-    4 or 8 buckets this came within 0.02 of the optimum's tr(Σ), which one bucket per level gives,
-    where the buckets alone or the loss alone stay 0.05-0.10 above it (docs/INTROSPECTION.md).
+    gradient's second moment per unit of the loss's changes with the noise level (at 400 steps on
+    the digits, by 65-120x across t, smoothly: benchmarks/sampler_variance.py). At one model, with
+    4 or 8 buckets this came within 0.011-0.022 of the optimum's tr(Σ) (in units of uniform's),
+    which one bucket per level gives, where the buckets alone or the loss alone stay 0.05-0.10
+    above it (docs/INTROSPECTION.md).
 
     `update_levels(rows)` takes the bucket rows of a measured step (`NoiseLevelGradients.finish`:
     `g2` = |E g|² and `trace` = tr(Σ) of the bucket's per-example gradients g = w_t ∇L_t, the
