@@ -298,12 +298,11 @@ def test_the_sampler_gets_each_examples_output_layer_gradient_norm_of_its_unweig
     y, t = torch.tensor([0, 1, 2, 1, 0]), torch.tensor([0, 3, 7, 12, 19])
     weights = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25])
     sampler = OutputGradNormSampler(20, history=2)
-    updates = DeferredUpdates(sampler, model)
+    updates = DeferredUpdates(sampler, model, grad_accum=2)
     losses = diffusion.training_losses(lambda x, tt: model(x, tt, y), x0, t, noise=noise)["loss"]
     (losses[:2].sum() * 7).backward(retain_graph=True)  # an introspection pass first: not the one read
-    multiplier = 64.0 / (B * 2)  # a loss scale of 64, 2 microbatches
-    ((losses * weights).mean() / 2 * 64.0).backward()
-    updates.add(t, losses, weights, grad_multiplier=multiplier)
+    ((losses * weights).mean() / 2 * 64.0).backward()  # a loss scale of 64, 2 microbatches
+    updates.add(t, losses, weights, loss_scale=64.0)
     updates.flush()
     got = torch.from_numpy(sampler.loss_history[t.numpy(), 0])
 
@@ -334,7 +333,7 @@ def test_only_output_grad_norm_hooks_the_model_and_the_others_learn_what_they_di
     assert not model.out[-1]._forward_hooks  # closed: nothing left on the model
     lsm = create_sampler("loss-second-moment", 4)
     u = DeferredUpdates(lsm)
-    u.add(torch.tensor([1, 2]), torch.tensor([0.5, float("inf")]), torch.ones(2), grad_multiplier=1.0)
+    u.add(torch.tensor([1, 2]), torch.tensor([0.5, float("inf")]), torch.ones(2), loss_scale=1.0)
     u.flush()
     assert lsm.loss_counts.tolist() == [0, 1, 0, 0]  # the loss as it was (not weighted), the inf left out
     with pytest.raises(RuntimeError, match="no backward pass"):
@@ -394,7 +393,7 @@ def test_output_grad_norms_reach_the_sampler_without_waiting_for_the_gpu():
         if attempt:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            updates.add(t, losses, weights, grad_multiplier=1 / B)
+            updates.add(t, losses, weights, loss_scale=1.0)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     updates.flush()

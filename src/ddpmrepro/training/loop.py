@@ -179,7 +179,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps, None if buckets is None else buckets[1])
     # Sampler updates are queued and applied just before the next draw: the GPU is never waited for inside a step.
     # (After the EMA copies: output-grad-norm hooks the model's output layer.)
-    sampler_updates = DeferredUpdates(sampler, raw_model)
+    sampler_updates = DeferredUpdates(sampler, raw_model, grad_accum=p.grad_accum)
     nonfinite = NonfiniteSteps(p.on_nonfinite, p.precision, scaler, device)
     # Running means of the log line, kept on the device (no host sync between log steps).
     stats = RunningStats({"loss": 1, "mse": 1, "vb": 1, "loss_q": 4, "gns_small_sq": 1, "gns_big_sq": 1,
@@ -257,9 +257,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                         introspection.measure(weighted, mb.t, grad_multiplier=1 / p.grad_accum, loss_scale=loss_scale)
                         loss = weighted.mean() / p.grad_accum
                         scaler.scale(loss).backward()
-                    # IDDPM's sampler learns from the losses, output-grad-norm from this backward's gradients.
-                    sampler_updates.add(mb.t, losses["loss"], mb.weights,
-                                        grad_multiplier=loss_scale / (len(mb.t) * p.grad_accum))
+                    sampler_updates.add(mb.t, losses["loss"], mb.weights, loss_scale)  # after backward: output-grad-norm
                     noise_scale.after_backward(p.grad_accum / loss_scale)  # this microbatch's own gradient norm
                     # Only finite losses enter the log's means (a skipped NaN step would poison the window's).
                     finite = torch.isfinite(losses["loss"])

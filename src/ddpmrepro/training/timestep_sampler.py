@@ -88,10 +88,14 @@ class LossSecondMomentSampler(UniformSampler):
     def warmed_up(self) -> bool:
         return bool((self.loss_counts == self.history).all())
 
+    def second_moments(self) -> np.ndarray:
+        """What p_t ∝ sqrt of, per t: E[L_t²] over the history (a subclass's model of E‖∇L_t‖²)."""
+        return np.mean(self.loss_history**2, axis=-1)
+
     def weights(self) -> np.ndarray:
         if not self.warmed_up():
             return np.ones(self.num_timesteps, dtype=np.float64)
-        w = np.sqrt(np.mean(self.loss_history**2, axis=-1))
+        w = np.sqrt(self.second_moments())
         w /= w.sum()
         w *= 1 - self.uniform_prob
         w += self.uniform_prob / len(w)
@@ -179,23 +183,15 @@ class GradNormSampler(LossSecondMomentSampler):
             return np.where(self.totals > 0, self.sums / self.totals, np.nan)
 
     def second_moments(self) -> np.ndarray:
-        """The model's E‖∇θ L_t‖² per t: r_b E[L_t²] (NaN where a bucket has no ratio yet)."""
-        return self.ratios()[self.bucket_of_t] * np.mean(self.loss_history ** 2, axis=-1)
-
-    def weights(self) -> np.ndarray:
-        if not self.warmed_up():
-            return np.ones(self.num_timesteps, dtype=np.float64)
-        w = np.sqrt(self.second_moments())
-        w /= w.sum()
-        w *= 1 - self.uniform_prob
-        w += self.uniform_prob / len(w)
-        return w
+        """The model's E‖∇θ L_t‖² per t: r_b E[L_t²] (NaN where a bucket has no ratio yet); IDDPM's
+        `weights()` draws by it."""
+        return self.ratios()[self.bucket_of_t] * super().second_moments()
 
     def update_levels(self, rows: list[dict]) -> None:
-        if not LossSecondMomentSampler.warmed_up(self):
+        if not super().warmed_up():
             return  # no loss history to scale yet
         p = self.weights() / self.weights().sum()
-        loss_sq = np.mean(self.loss_history ** 2, axis=-1)
+        loss_sq = super().second_moments()
         T = self.num_timesteps
         for r in rows:
             b = r["bucket"]
@@ -270,20 +266,19 @@ class DeferredUpdates:
     example (uniform) gets nothing gathered or queued; `output-grad-norm` gets hooks on
     the model's output layer (output_grads.py), and only it: the other samplers' runs are unchanged."""
 
-    def __init__(self, sampler: UniformSampler, model: torch.nn.Module | None = None):
-        self.sampler, self.pending = sampler, []
-        self.learns_from = sampler.learns_from
-        self.output_grads = OutputGradNorms(model) if self.learns_from == "output_grads" else None
+    def __init__(self, sampler: UniformSampler, model: torch.nn.Module | None = None, grad_accum: int = 1):
+        self.sampler, self.pending, self.grad_accum = sampler, [], grad_accum
+        self.output_grads = OutputGradNorms(model) if sampler.learns_from == "output_grads" else None
 
-    def add(self, t: torch.Tensor, losses: torch.Tensor, weights: torch.Tensor, grad_multiplier: float) -> None:
-        """After a microbatch's backward pass: queues what the sampler learns from, per example.
-        `losses` unweighted; `weights` the importance weights; `grad_multiplier` what the backward
-        pass scaled the sum of the weighted losses by (loss scale / (microbatch x accumulation)), so
-        that the output layer's norms are those of each example's own unweighted loss."""
-        if self.learns_from == "losses":
+    def add(self, t: torch.Tensor, losses: torch.Tensor, weights: torch.Tensor, loss_scale: float) -> None:
+        """After a microbatch's backward pass of loss_scale x mean(weights x losses) / grad_accum:
+        queues what the sampler learns from, per example. The output layer's norms are divided by
+        what that pass multiplied each example's own unweighted loss by."""
+        if self.sampler.learns_from == "losses":
             self.pending.append(PendingUpdate(t, losses))
-        elif self.learns_from == "output_grads":
-            self.pending.append(PendingUpdate(t, self.output_grads.norms() / (grad_multiplier * weights.float())))
+        elif self.sampler.learns_from == "output_grads":
+            multiplier = loss_scale * weights.float() / (len(t) * self.grad_accum)
+            self.pending.append(PendingUpdate(t, self.output_grads.norms() / multiplier))
 
     def flush(self) -> None:
         while self.pending:
