@@ -231,7 +231,7 @@ class LoopStep:
                 (weighted.mean() / self.grad_accum).backward()
             if self.ns is not None:
                 c0 = time.process_time()
-                self.ns.after_backward(float(self.grad_accum))
+                self.ns.after_backward(self.ns.microbatch_sums(), float(self.grad_accum))
                 self.instrument_s += time.process_time() - c0
             self.stats.report("loss", losses["loss"])
         if self.intro is not None:

@@ -8,9 +8,12 @@
 #     bash benchmarks/on_gpu.sh [OUT]
 #     PARTS="train-step growth" bash benchmarks/on_gpu.sh [OUT]     # only these parts
 #
-# The default parts fit one 10-minute device command with the card's start-up left over (their
-# limits add up to 570 s; the parts run on earlier cards took well under theirs): the questions open in issue 38
-# first (does the step now match the plain loop's, the MFU, do CUDA graphs pay), then the `gpu` tests.
+# The default parts answer issue 38's open questions in one device command of at most 8 minutes (their
+# limits add up to 480 s; expect about 5), leaving time in a 15-minute loan for the card's start-up and one rerun:
+# first the `gpu` tests (does train.cuda_graphs capture, train as eager does and resume to the same bits),
+# then the step against the plain loop eager and with graphs. Sampling in graphs, the MFU and the plain
+# step's own graph (graph_step.py) come next: PARTS="sample-graphs mfu graphs" in a second command
+# (at most 420 s), if time is left.
 # host-profile, sample-speed and growth were measured on earlier cards: PARTS="..." runs them.
 # PYTHON picks the interpreter (default python3), e.g. PYTHON=.venv/bin/python after `make setup`.
 set -u
@@ -19,7 +22,7 @@ mkdir -p "$OUT"
 LOG=$OUT/on_gpu.log
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-PARTS=${PARTS:-environment train-step mfu graphs cuda-tests}
+PARTS=${PARTS:-environment cuda-tests train-step train-graphs}
 part() {  # part SECONDS NAME COMMAND...: runs COMMAND under a time limit, logs it, never stops the script
     local limit=$1 name=$2; shift 2
     [[ " $PARTS " == *" $name "* ]] || return 0
@@ -30,14 +33,26 @@ part() {  # part SECONDS NAME COMMAND...: runs COMMAND under a time limit, logs 
 }
 part 30 environment bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
     $PY -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
+# The `gpu` tests: train.cuda_graphs captured (bf16 and fp16 against eager; killed and resumed to the same
+# bits), no host sync in a step's draws and losses. -rA prints each test's outcome and its printed differences.
+part 150 cuda-tests $PY -m pytest -q -rA -s -p no:cacheprovider -m gpu tests
 common=(--device cuda --preset ddpm-cifar10 --image-size 32 --channels 3)
 # Where the step waits on the host, ours and the plain loop (the first thing to read if the ratio below moved).
 part 90 host-profile $PY benchmarks/step_host_profile.py "${common[@]}" --precision bf16 --steps 20 --top 15
 # 20-step blocks: 5-step blocks of a ~60 ms step scattered too widely (H100, 2026-11-26).
-part 180 train-step $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 8 --warmup 1 \
-    --modes plain,plain+compile,ddpmrepro,ddpmrepro+compile,improved-diffusion --out "$OUT/train_step-bf16.json"
+part 120 train-step $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 8 --warmup 1 \
+    --modes plain,ddpmrepro,improved-diffusion --out "$OUT/train_step-bf16.json"
+# Issue 38's item 2 in the loop itself: train.cuda_graphs, and with the compiled blocks inside the graph.
+part 180 train-graphs $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 8 --warmup 1 \
+    --modes plain,ddpmrepro+graphs,ddpmrepro+graphs+compile --out "$OUT/train_step-bf16-graphs.json"
 part 120 sample-speed $PY benchmarks/sample_speed.py "${common[@]}" --compile --samplers ddim50 --rounds 6 \
     --out "$OUT/sample_speed-ddim50.json"
+# Issue 38's item 4: sample.cuda_graphs (and with compiled blocks) against eager, images compared, at batch 250
+# (500 a forward with guidance) and 1000.
+part 150 sample-graphs $PY benchmarks/sample_speed.py "${common[@]}" --compile --graphs --samplers ddim50 --rounds 6 \
+    --out "$OUT/sample_speed-ddim50-graphs.json"
+part 120 sample-graphs-1000 $PY benchmarks/sample_speed.py "${common[@]}" --graphs --samplers ddim50 --rounds 4 \
+    --batch 1000 --out "$OUT/sample_speed-ddim50-graphs-b1000.json"
 part 60 growth $PY benchmarks/growth.py --device cuda --batch 128 --precision bf16 --peak-tflops 989 --rounds 6 \
     --out "$OUT/growth-bf16.json"
 # The card used: the step's FLOPs (FlopCounterMode) over its time over this card's bf16 GEMM rate, measured
@@ -49,5 +64,3 @@ part 120 mfu $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm
 # (issue 38, item 2): the plain step three ways, each checked against eager after 3 steps first.
 part 150 graphs $PY benchmarks/graph_step.py --device cuda --precision bf16 --batches 128,512 --steps 20 --rounds 6 \
     --out "$OUT/graph_step-bf16.json"
-# The `gpu` tests, never yet run on a card since the read-ahead draws (the step's sync test among them).
-part 90 cuda-tests $PY -m pytest -q -p no:cacheprovider -m gpu tests

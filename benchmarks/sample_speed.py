@@ -11,6 +11,11 @@ For each sampler, two contenders on one model (random weights: speed does not de
   bare       the same number of UNet forward passes on the same doubled batch, nothing else
   ddpmrepro+compile  (--compile) `generate` on a copy of the model whose blocks are compiled
              (`sample.compile: blocks`); its first block, with the compilation, is timed on its own
+  ddpmrepro+graphs   (--graphs) `generate` with the network replayed from CUDA graphs
+             (`sample.cuda_graphs`; on a CPU the same code without capture); with --compile also
+             `ddpmrepro+compile+graphs`. Their first block (the capture) is timed on its own, and
+             their images are compared with eager ddpmrepro's (`vs_eager_images`: the largest uint8
+             difference and the share of identical values; the goal is within one level)
 A block is one whole sampling run of a batch. Timing: benchmarks/timing.py's paired rounds
 (both contenders once per round in random order); overhead = per-round time(ddpmrepro) /
 time(bare) - 1, median and spread over rounds (target <= 5%).
@@ -54,6 +59,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--samplers", default=",".join(SAMPLERS), help="which of " + ", ".join(SAMPLERS))
     ap.add_argument("--compile", action="store_true", help="also ddpmrepro with sample.compile: blocks")
+    ap.add_argument("--graphs", action="store_true", help="also ddpmrepro with sample.cuda_graphs")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.quick:
@@ -66,14 +72,21 @@ def main() -> None:
     model = build_unet(P.ModelParams(preset=a.preset), image_size=a.image_size, in_channels=a.channels,
                        num_classes=a.classes, learn_sigma=False).to(device).eval()
     shape = (a.channels, a.image_size, a.image_size)
-    compiled = None
+    # the other contenders' networks: compiled blocks, CUDA graphs, both
+    variants = {}
     if a.compile:
         import copy
 
         from ddpmrepro.runtime.compilation import compile_blocks
 
-        compiled = copy.deepcopy(model)
-        compile_blocks(compiled)
+        variants["ddpmrepro+compile"] = copy.deepcopy(model)
+        compile_blocks(variants["ddpmrepro+compile"])
+    if a.graphs:
+        from ddpmrepro.runtime.graphed_network import GraphedNetwork
+
+        variants["ddpmrepro+graphs"] = GraphedNetwork(model, device)
+        if a.compile:
+            variants["ddpmrepro+compile+graphs"] = GraphedNetwork(variants["ddpmrepro+compile"], device)
     results = {}
     for name in a.samplers.split(","):
         sampler, respacing = SAMPLERS[name]
@@ -96,16 +109,20 @@ def main() -> None:
             generate(model, diffusion, labels, seeds, p, a.classes, shape, device)
 
         blocks = {"ddpmrepro": ours, "bare": bare}
-        first_block_s = None
-        if compiled is not None:
-            def ours_compiled():
-                generate(compiled, diffusion, labels, seeds, p, a.classes, shape, device)
+        first_block_s, images = {}, {}
+        eager_images = generate(model, diffusion, labels, seeds, p, a.classes, shape, device) if variants else None
+        for mode, net in variants.items():
+            def variant(net=net):
+                return generate(net, diffusion, labels, seeds, p, a.classes, shape, device)
             t0 = time.perf_counter()
-            ours_compiled()
+            out = variant()  # compilation or capture happen here
             sync()
-            first_block_s = time.perf_counter() - t0
-            print(f"{name}: first compiled block {first_block_s:.1f} s", flush=True)
-            blocks["ddpmrepro+compile"] = ours_compiled
+            first_block_s[mode] = time.perf_counter() - t0
+            diff = (out.int() - eager_images.int()).abs()
+            images[mode] = {"max_uint8_difference": int(diff.max()), "identical": float((diff == 0).float().mean())}
+            print(f"{name}: first block of {mode} {first_block_s[mode]:.1f} s; images against eager: "
+                  f"{images[mode]}", flush=True)
+            blocks[mode] = variant
         rounds = a.rounds if sampler == "ddim" else a.ddpm_rounds
 
         def progress(r, times, n=n, name=name, rounds=rounds):
@@ -119,12 +136,16 @@ def main() -> None:
                          "images_per_sec": {m: n / s["median"] for m, s in timing["wall_s"].items()},
                          "time_ratio_vs_bare": ratio, "overhead_pct": 100 * (ratio["median"] - 1),
                          "verdict": verdict(ratio, TARGET), "timing": timing}
-        if compiled is not None:
-            results[name]["first_compiled_block_s"] = first_block_s
-            per_round = {m: timing["wall_s"][m]["per_round"] for m in ("ddpmrepro", "ddpmrepro+compile")}
-            vs_eager = spread(paired_ratios(per_round, "ddpmrepro+compile", "ddpmrepro"))
-            results[name]["compiled_vs_eager"] = vs_eager
-            print(f"{name}: compiled / eager ddpmrepro {fmt_ratio(vs_eager)}", flush=True)
+        for mode in variants:  # each against eager ddpmrepro, paired by round
+            per_round = {m: timing["wall_s"][m]["per_round"] for m in ("ddpmrepro", mode)}
+            vs_eager = spread(paired_ratios(per_round, mode, "ddpmrepro"))
+            results[name].setdefault("vs_eager", {})[mode] = {"time_ratio": vs_eager,
+                                                              "first_block_s": first_block_s[mode],
+                                                              "images": images[mode]}
+            print(f"{name}: {mode} / eager ddpmrepro {fmt_ratio(vs_eager)}", flush=True)
+            if mode == "ddpmrepro+compile":  # the keys of earlier results files
+                results[name]["first_compiled_block_s"] = first_block_s[mode]
+                results[name]["compiled_vs_eager"] = vs_eager
         print(f"{name}: {n} images, {steps} steps, forward batch {doubled}: time / bare UNet {fmt_ratio(ratio)}, "
               f"cpu {timing['ratio_cpu']['ddpmrepro']['median']:.3f}; target <= {TARGET}: {results[name]['verdict']}",
               flush=True)
@@ -138,6 +159,7 @@ def main() -> None:
     }
     tag = "" if (a.device, a.preset) == ("cpu", "tiny") else f"-{a.device}-{a.preset}"
     tag += "-compile" if a.compile else ""
+    tag += "-graphs" if a.graphs else ""
     out = a.out or Path(f"benchmarks/results/sample_speed{tag}{'-quick' if a.quick else ''}-threads{result['threads']}.json")
     write_result(result, out)
 

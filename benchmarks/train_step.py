@@ -23,6 +23,10 @@ at 1.0, one EMA):
   ddpmrepro+compile, plain+compile  the same with `train.compile: blocks` (runtime/compilation.py:
                 each residual and attention block's forward through torch.compile). The first block
                 of each (compilation, or Inductor's cache) is timed on its own: `first_block_s`.
+  ddpmrepro+graphs  `train.cuda_graphs` (training/cuda_graphs.py): each microbatch's forward and
+                backward replayed from a CUDA graph (on a CPU, the same code without capture);
+                `+graphs+compile` with compiled blocks inside the graph. Suffixes combine:
+                `ddpmrepro+is+graphs`.
 Timing: benchmarks/timing.py's paired rounds (each round one block of --steps steps of every
 contender in random order; ratios per round against `plain`). Target: ddpmrepro / plain step time
 <= 1.05. Writes benchmarks/results/train_step[-<device>-<preset>-<precision>]-threads<N>.json.
@@ -70,7 +74,7 @@ def architecture(a) -> dict:
 SAMPLER_OF_MODE = {"is": "loss-second-moment", "ogn": "output-grad-norm"}
 
 
-def bench_params(a, sampler: str, total_steps: int, compile: str = "none") -> P.Params:
+def bench_params(a, sampler: str, total_steps: int, compile: str = "none", cuda_graphs: bool = False) -> P.Params:
     """ddpmrepro's params for the benchmark: default training recipe, introspection and checkpoints
     off, no lr warm-up (the plain loop has none), one dvclive log line per measured block.
 
@@ -85,9 +89,21 @@ def bench_params(a, sampler: str, total_steps: int, compile: str = "none") -> P.
         "train": {"steps": total_steps, "batch_per_proc": a.batch, "device": a.device, "precision": a.precision,
                   "timestep_sampler": sampler, "warmup_steps": 0, "log_every": a.steps,
                   "checkpoint_every": total_steps, "keep_checkpoints": 1, "compile": compile,
+                  "cuda_graphs": cuda_graphs,
                   "posthoc_ema_snapshots": 1},
         "introspect": {"every": 0, "steps": []},
     })
+
+
+def ddpmrepro_params(a, mode: str, total_steps: int) -> P.Params:
+    """A ddpmrepro mode's params from its suffixes: `ddpmrepro+is+graphs+compile`."""
+    flags = set(mode.split("+")[1:])
+    unknown = flags - {*SAMPLER_OF_MODE, "compile", "graphs"}
+    if unknown:
+        raise SystemExit(f"--modes: {mode!r} has unknown suffixes {sorted(unknown)}")
+    samplers = [SAMPLER_OF_MODE[f] for f in flags if f in SAMPLER_OF_MODE]
+    return bench_params(a, samplers[0] if samplers else "uniform", total_steps,
+                        compile="blocks" if "compile" in flags else "none", cuda_graphs="graphs" in flags)
 
 
 class DdpmreproLoop:
@@ -308,10 +324,8 @@ def main() -> None:
         tmp = Path(d)
         data_dir = tmp / "prepared"
         prepare(P.DataParams(image_size=a.image_size, channels=a.channels), data_dir)
-        ours = {m: DdpmreproLoop(bench_params(a, SAMPLER_OF_MODE.get(m.split("+")[1] if "+" in m else "", "uniform"),
-                                              total,
-                                              compile="blocks" if m.endswith("+compile") else "none"),
-                                 train_paths(tmp, data_dir)) for m in modes if m.startswith("ddpmrepro")}
+        ours = {m: DdpmreproLoop(ddpmrepro_params(a, m, total), train_paths(tmp, data_dir))
+                for m in modes if m.startswith("ddpmrepro")}
         p = bench_params(a, "uniform", total).train
         plain = {m: PlainLoop(a, p, data_dir, m, total) for m in modes if not m.startswith("ddpmrepro")}
         loops = {**ours, **plain}

@@ -153,16 +153,16 @@ def check_paired(t: dict, names: set, rounds: int, reference: str, threads: int)
 def test_train_step_benchmark_pairs_ddpmrepro_with_the_plain_loop(tmp_path):
     out = tmp_path / "train.json"
     run("train_step.py", "--batch", "8", "--steps", "2", "--warmup", "1", "--rounds", "6", "--threads", "1",
-        "--modes", "ddpmrepro,ddpmrepro+is,ddpmrepro+ogn,plain", "--out", str(out))
+        "--modes", "ddpmrepro,ddpmrepro+is,ddpmrepro+ogn,ddpmrepro+graphs,plain", "--out", str(out))
     r = json.loads(out.read_text())
-    names = {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn", "plain"}
+    names = {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn", "ddpmrepro+graphs", "plain"}
     check_paired(r["timing"], names, 6, "plain", threads=1)
     assert r["threads"] == 1 and r["params"]["plain"] == 457_761  # the default tiny UNet
     assert r["step_time_ratio_vs_plain"]["ddpmrepro"] == r["timing"]["ratio_wall"]["ddpmrepro"]
-    assert set(r["target"]["verdict"]) == {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn"}
+    assert set(r["target"]["verdict"]) == {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn", "ddpmrepro+graphs"}
     assert "--threads 1" in r["command"] and "--rounds 6" in r["command"]
     rows = table_rows(out)
-    assert len(rows) == 4 and f"{r['timing']['ratio_wall']['ddpmrepro']['median']:.3f} [" in rows[0]
+    assert len(rows) == 5 and f"{r['timing']['ratio_wall']['ddpmrepro']['median']:.3f} [" in rows[0]
 
 
 @pytest.mark.slow
@@ -198,11 +198,13 @@ def test_host_profile_charges_each_wait_to_the_python_line_that_caused_it():
 @pytest.mark.slow
 def test_sample_speed_benchmark_pairs_generate_with_bare_forwards(tmp_path):
     out = tmp_path / "sample.json"
-    run("sample_speed.py", "--batch", "4", "--rounds", "3", "--samplers", "ddim50", "--out", str(out))
+    run("sample_speed.py", "--batch", "4", "--rounds", "3", "--samplers", "ddim50", "--graphs", "--out", str(out))
     r = json.loads(out.read_text())
     s = r["samplers"]["ddim50"]
     assert s["steps"] == 50 and s["forward_batch"] == 8  # guidance doubles the batch
-    check_paired(s["timing"], {"ddpmrepro", "bare"}, 3, "bare", threads=r["threads"])
+    check_paired(s["timing"], {"ddpmrepro", "bare", "ddpmrepro+graphs"}, 3, "bare", threads=r["threads"])
+    # on a CPU nothing is captured: the graphed path's images are eager's, bit for bit
+    assert s["vs_eager"]["ddpmrepro+graphs"]["images"] == {"max_uint8_difference": 0, "identical": 1.0}
     assert s["overhead_pct"] == pytest.approx(100 * (s["time_ratio_vs_bare"]["median"] - 1))
     assert s["verdict"].startswith("unresolved (too few")  # 3 rounds cannot give a 95% interval
     (row,) = table_rows(out)

@@ -186,7 +186,7 @@ def test_the_microbatch_hooks_measure_each_microbatch_and_the_step_estimate_is_e
     for m in range(3):
         sl = slice(8 * m, 8 * m + 8)
         (per_example_losses(model, x0[sl], t[sl], noise[sl]).mean() / 3 * S).backward()
-        ns.after_backward(3 / S)
+        ns.after_backward(ns.microbatch_sums(), 3 / S)
     for p in model.parameters():
         p.grad /= S  # the scaler's unscale
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
@@ -231,7 +231,7 @@ def test_both_instruments_agree_with_the_exact_noise_of_a_finite_population_in_e
         model.zero_grad(set_to_none=True)
         for m in range(2):
             (losses[8 * m:8 * m + 8].mean() / 2).backward(retain_graph=m == 0)
-            ns.after_backward(2.0)
+            ns.after_backward(ns.microbatch_sums(), 2.0)
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
         est_micro.append(ns.after_step(RunningStats({"gns_small_sq": 1, "gns_big_sq": 1}, torch.device("cpu")),
                                        total, recorded=True))
@@ -283,7 +283,7 @@ losses = tn.DIFFUSION.training_losses(lambda x, tt: ddp(x, tt), x0[mine], t[mine
 with ns.paused():
     levels.measure(losses, t[mine], grad_multiplier=1.0, loss_scale=1.0, batch=16)
 losses.mean().backward()
-ns.after_backward(1.0)
+ns.after_backward(ns.microbatch_sums(), 1.0)
 total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
 step = ns.after_step(RunningStats({"gns_small_sq": 1, "gns_big_sq": 1}, torch.device("cpu")), total, recorded=True)
 rows, halves = levels.finish()
@@ -383,7 +383,7 @@ def instrumented_step(model, stats, ns, intro, done: int, x0, t, noise) -> bool:
     losses = per_example_losses(model, x0, t, noise)
     intro.measure(losses, t, grad_multiplier=1.0, loss_scale=1.0)
     losses.mean().backward()
-    ns.after_backward(1.0)
+    ns.after_backward(ns.microbatch_sums(), 1.0)
     intro.capture(done)
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
     intro.end(done, ns.after_step(stats, total, recorded=intro.recording), total_norm=total, clip_threshold=1.0,

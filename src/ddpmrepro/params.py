@@ -216,6 +216,12 @@ class TrainParams:
                       doc="`blocks`: torch.compile each residual and attention block's forward (regional "
                           "compilation; docs/BENCHMARKS.md has when it pays). Needs a C++ compiler on CPU, "
                           "Triton on GPUs. Inductor's caches go to CHECKPOINTS/inductor-cache.")
+    cuda_graphs: bool = _f(False, doc="Capture each microbatch's forward, loss and backward in a CUDA graph once "
+                                      "and replay it: one launch instead of thousands, for steps bound by the host "
+                                      "(docs/TRAINING.md, CUDA graphs). Recorded introspection steps run eagerly; "
+                                      "the gradients are all-reduced after the backward instead of by DDP during "
+                                      "it. On a CPU the same code runs without capture. Part of the run hash when "
+                                      "on.")
     timestep_sampler: str = _f("loss-second-moment",
                                choices=("uniform", "loss-second-moment", "grad-norm", "output-grad-norm"),
                                doc="IDDPM's importance sampling: p_t proportional to sqrt(E[L_t^2]) over the "
@@ -340,6 +346,10 @@ class SampleParams:
                       doc="`blocks`: torch.compile each residual and attention block's forward; the images "
                           "agree with eager ones within float tolerance, not bit for bit. Inductor's caches "
                           "go to checkpoints/inductor-cache.")
+    cuda_graphs: bool = _f(False, doc="Replay the network's forward from a CUDA graph per batch shape (the "
+                                      "sampler's arithmetic stays eager): one launch per network call instead of "
+                                      "hundreds (docs/SAMPLERS.md, CUDA graphs). On a CPU the same code runs "
+                                      "without capture.")
 
 
 @dataclass(frozen=True)
@@ -533,6 +543,14 @@ def _check_cross_field(obj, path: str) -> None:
             raise ParamsError("train.timestep_sampler: 'grad-norm' learns from the noise-level buckets, which are "
                               "off (introspect.noise_buckets: 0, or no recorded steps: introspect.every: 0 and "
                               "steps: []); turn them on or pick another sampler")
+        if obj.train.cuda_graphs and obj.train.timestep_sampler == "output-grad-norm":
+            raise ParamsError("train.cuda_graphs: not with timestep_sampler 'output-grad-norm', whose per-example "
+                              "hooks keep their values on the host at every step, outside a graph; use "
+                              "'loss-second-moment' (it measured as good a guide) or set cuda_graphs: false")
+        if obj.train.cuda_graphs and obj.model.grad_checkpoint:
+            raise ParamsError("train.cuda_graphs: not with model.grad_checkpoint, whose recomputation reads the RNG "
+                              "state on the host inside the backward; a graph pays where the step is small, "
+                              "checkpointing where memory is short: turn one off")
         # Introspection steps count completed updates, 1..train.steps; a later one would never be recorded.
         for key in ("steps", "dump_steps"):
             for i, st in enumerate(getattr(obj.introspect, key)):

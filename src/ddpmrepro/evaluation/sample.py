@@ -23,6 +23,7 @@ from ..model_dir import load_model
 from ..params import Params, ParamsError, SampleParams
 from ..runtime import compilation
 from ..runtime import distributed as D
+from ..runtime.graphed_network import GraphedNetwork
 
 
 def image_seed(base: int, k: int) -> int:
@@ -97,6 +98,8 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     model, trained, config = load_model(model_dir, p.ema_rate, device, ema_length=p.ema_length,
                                          ema_step=p.ema_step)
     compiler(model)  # the network is called nfe times per batch: its blocks compiled once
+    if p.cuda_graphs:  # and replayed from a CUDA graph per batch shape (the solver's arithmetic stays eager)
+        model = GraphedNetwork(model, device)
     if trained.superres.low_res:
         raise ParamsError(f"{model_dir} is an upsampler (superres.low_res: {trained.superres.low_res}); sample it "
                           "with `ddpmrepro sample-superres` (docs/SUPERRES.md)")

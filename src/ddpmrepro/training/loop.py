@@ -38,6 +38,7 @@ from ..runtime import distributed as D
 from . import checkpoint as ckpt
 from .batches import TrainBatches, TrainExamples, step_seed
 from .code_version import code_version
+from .cuda_graphs import MicrobatchGraph
 from .ema import EMA
 from .learned_weighting import loss_weighting
 from .noise_levels import bucket_layout
@@ -78,6 +79,8 @@ def run_hash(params: Params, data_digest: str) -> str:
     train = {k: v for k, v in d["train"].items() if k not in OPERATIONAL_TRAIN_KEYS}
     if train["compile"] == "none":  # compiled kernels round differently; runs from before the option keep their hash
         del train["compile"]
+    if not train["cuda_graphs"]:  # its all-reduce is not DDP's; runs from before the option keep their hash
+        del train["cuda_graphs"]
     # The snapshots' dtype changes the run directory's files (not the weights): a run resumed or
     # re-exported with another would mix them. fp32 is what runs before the option wrote.
     if train["posthoc_ema_dtype"] == "fp32" or not train["posthoc_ema"]:
@@ -218,7 +221,25 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 log.info("resuming from %s (step %d)", latest, start_step)
         introspection.open_tables(ckpt_dir / "introspect", start_step)
         compiler(raw_model, eager_inside=introspection.hooked_modules)  # after the EMA copies; hooked blocks stay eager
-        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else raw_model
+        # Under train.cuda_graphs the gradients are all-reduced after the backward, not by DDP's hooks inside it.
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) \
+            if world > 1 and not p.cuda_graphs else raw_model
+
+        def forward_backward(mb) -> dict:
+            """One microbatch's loss and its scaled backward pass: device work only (train.cuda_graphs
+            replays it from a CUDA graph). Returns the per-example losses (and the noise scale's sums).
+            `loss_scale` is the step's, set in the loop below."""
+            model_fn = _autocast_model_fn(model, mb.y if params.model.class_cond else None, mb.cond, device,
+                                          autocast_dtype, cache=not p.cuda_graphs)
+            losses = diffusion.training_losses(model_fn, mb.x0, mb.t, noise=mb.noise)
+            losses = weighting.weigh(losses, mb.t)  # learned: "loss" = mse / exp(u) + vb, and u
+            weighted = weighting.objective(losses) * mb.weights
+            # Recorded steps: each noise level's part of the gradient (extra passes, same graph).
+            introspection.measure(weighted, mb.t, grad_multiplier=1 / p.grad_accum, loss_scale=loss_scale)
+            scaler.scale(weighted.mean() / p.grad_accum).backward()
+            return {**losses, **noise_scale.microbatch_sums()}
+        microbatch_step = MicrobatchGraph(forward_backward, raw_model, enabled=p.cuda_graphs, device=device,
+                                          zero_grads=lambda: opt.zero_grad(set_to_none=False))
 
         # Data order: a per-epoch permutation of (seed, epoch) sharded over ranks (DistributedSampler's);
         # each example's draws from its own seed. Both made ahead on a background thread, off the
@@ -246,19 +267,12 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 for micro in range(p.grad_accum):
                     sampler_updates.flush()
                     mb = examples.microbatch(batches.get(step * p.grad_accum + micro), sampler).to(device)
-                    model_fn = _autocast_model_fn(model, mb.y if params.model.class_cond else None, mb.cond,
-                                                  device, autocast_dtype)
-                    sync = contextlib.nullcontext() if (micro == p.grad_accum - 1 or world == 1) else model.no_sync()
-                    with sync:
-                        losses = diffusion.training_losses(model_fn, mb.x0, mb.t, noise=mb.noise)
-                        losses = weighting.weigh(losses, mb.t)  # learned: "loss" = mse / exp(u) + vb, and u
-                        weighted = weighting.objective(losses) * mb.weights
-                        # Recorded steps: each noise level's part of the gradient (extra passes, same graph).
-                        introspection.measure(weighted, mb.t, grad_multiplier=1 / p.grad_accum, loss_scale=loss_scale)
-                        loss = weighted.mean() / p.grad_accum
-                        scaler.scale(loss).backward()
+                    sync = contextlib.nullcontext() if (micro == p.grad_accum - 1 or model is raw_model) \
+                        else model.no_sync()
+                    with sync:  # recorded steps eagerly: their hooks and extra passes are host work
+                        losses = microbatch_step(mb, eager=introspection.recording)
                     sampler_updates.add(mb.t, losses["loss"], mb.weights, loss_scale)  # after backward: output-grad-norm
-                    noise_scale.after_backward(p.grad_accum / loss_scale)  # this microbatch's own gradient norm
+                    noise_scale.after_backward(losses, p.grad_accum / loss_scale)  # this microbatch's own gradient norm
                     # Only finite losses enter the log's means (a skipped NaN step would poison the window's).
                     finite = torch.isfinite(losses["loss"])
                     for name in ("loss", "mse", "vb"):
@@ -266,13 +280,14 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     stats.report("loss_q", losses["loss"], finite,
                                  group=(mb.t * 4 // diffusion.num_timesteps).clamp(max=3))
 
+                microbatch_step.all_reduce_grads()  # train.cuda_graphs: DDP's all-reduce, after the backward
                 weighting.all_reduce_grads()  # u is not under DDP: its gradient is averaged over ranks here
                 # Unscale, measure, clip, step; a non-finite step is skipped or stops the run (nonfinite.py).
                 scaler.unscale_(opt)
                 introspection.capture(done)  # after all-reduce and unscale; before clipping, which scales in place
                 total_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), p.grad_clip if p.grad_clip > 0 else math.inf)
                 skipped = nonfinite.step(opt, total_norm, step, loss_scale)
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad(set_to_none=not p.cuda_graphs)  # a graph writes to the same gradient tensors
 
                 # Update the EMA weights (not on skipped steps: the weights did not move).
                 if not skipped:
@@ -347,12 +362,13 @@ class LastSummary:
         self.summary = dict(state)
 
 
-def _autocast_model_fn(model, y, cond: dict, device: torch.device, dtype):
+def _autocast_model_fn(model, y, cond: dict, device: torch.device, dtype, cache: bool = True):
     """The network as the diffusion math calls it, model_fn(x_t, t): under autocast when training in
     fp16/bf16, its output back in fp32 (the diffusion math runs in fp32, outside autocast). y is None
-    for an unconditional model."""
+    for an unconditional model. `cache=False` under CUDA graphs: autocast's cache of weight casts
+    would outlive a capture (the casts are the same values either way)."""
     def model_fn(x, t):
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=cache):
             out = model(x, t, y, **cond)
         return out.float()
     return model_fn

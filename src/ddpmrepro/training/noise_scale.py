@@ -86,7 +86,8 @@ class SmoothedRatio:
 class NoiseScale:
     """The every-step noise scale from the microbatches and ranks of a step (see the module doc).
 
-    The loop calls `after_backward(grad_multiplier)` after each microbatch's backward (the factor
+    The loop calls `microbatch_sums()` right after each microbatch's backward and hands the result
+    to `after_backward(sums, grad_multiplier)` (the factor
     that turns the hooked gradients into the gradient of that microbatch's mean loss: the loss
     scale and 1/grad_accum undone) and `after_step(stats, total_norm)` once the step's gradient is
     all-reduced and unscaled. The sums go into the log's `RunningStats` (reduced over ranks at log
@@ -128,12 +129,19 @@ class NoiseScale:
             self._paused = False
 
     @torch.no_grad()
-    def after_backward(self, grad_multiplier: float) -> None:
+    def microbatch_sums(self) -> dict[str, torch.Tensor]:
+        """Right after a microbatch's backward: the squared norm of the gradient the hooks caught
+        ({} when off). Device work only, so a CUDA graph can replay it (train.cuda_graphs)."""
         if not self._grads:
-            return
+            return {}
         norms = torch._foreach_norm(self._grads)  # one fused pass; the list is dropped right after
         self._grads = []
-        self._step_small.append(torch.stack(norms).double().square().sum() * grad_multiplier ** 2)
+        return {"gns_micro_sq": torch.stack(norms).double().square().sum()}
+
+    def after_backward(self, sums: dict[str, torch.Tensor], grad_multiplier: float) -> None:
+        """Keeps `microbatch_sums`' value as the microbatch's mean-loss gradient (`grad_multiplier`)."""
+        if "gns_micro_sq" in sums:
+            self._step_small.append(sums["gns_micro_sq"] * grad_multiplier ** 2)
 
     @torch.no_grad()
     def after_step(self, stats, total_norm: torch.Tensor, *, recorded: bool = False) -> tuple[float, float]:
