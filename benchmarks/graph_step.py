@@ -16,6 +16,11 @@ device before each step, as the read-ahead thread would deliver a batch. Three w
            launch a step
   compile  torch.compile(model, mode="reduce-overhead"): Inductor's kernels in CUDA graph trees,
            the optimizer and the EMA eager
+  +cl      any of them with the model and its inputs in channels_last (NHWC), the layout cuDNN's
+           bf16 convolutions prefer on recent cards (issue 38, item 3: measured before an option).
+           Dropout draws its mask in memory order, so +cl trains with other masks than eager:
+           its agreement is that of another draw, not of rounding (tiny, CPU: 3.7e-4 of the
+           weights after 3 steps that moved them 7.7e-4)
 
 Before the timing, each is checked against eager: the same 3 steps from the same weights on the
 same batches; `agreement` is the relative difference of all the weights after them, and of the
@@ -44,7 +49,7 @@ from results_io import command_line, write_result  # benchmarks/ (the script's d
 from timing import fmt_ratio, paired_rounds
 from train_step import cuda_sync
 
-MODES = ("eager", "graph", "compile")
+MODES = ("eager", "graph", "compile", "eager+cl", "graph+cl", "compile+cl")
 LR, CLIP, EMA_RATE, CHECK_STEPS = 1e-4, 1.0, 0.9999, 3
 DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -69,28 +74,32 @@ class Step:
 
     def __init__(self, mode: str, model: torch.nn.Module, data: list[dict], precision: str):
         self.mode, self.data, self.i = mode, data, 0
+        self.kind, self.channels_last = mode.split("+")[0], mode.endswith("+cl")
         self.device = next(model.parameters()).device
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
         self.model = model.train()
         self.params = list(model.parameters())
         self.ema = [p.detach().clone() for p in self.params]
         self.live = [p.detach() for p in self.params]
         self.dtype = DTYPES[precision]
         self.alpha_bar = cosine_alpha_bar(self.device)
-        self.static = {k: v.clone() for k, v in data[0].items()}
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        self.static = {k: v.clone(memory_format=layout) if v.dim() == 4 else v.clone() for k, v in data[0].items()}
         cuda = self.device.type == "cuda"
-        if mode == "graph":  # capturable: the step count and the lr live on the device
+        if self.kind == "graph":  # capturable: the step count and the lr live on the device
             self.lr = torch.tensor(LR, device=self.device)
             self.opt = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=0.0, fused=True, capturable=True)
         else:
             self.lr = LR
             self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=0.0,
                                          **({"fused": True} if cuda else {"foreach": True}))
-        if mode == "compile":
+        if self.kind == "compile":
             # dropout's masks from torch's generator, as eager draws them (and as train.compile does)
             import torch._inductor.config as inductor_config
 
             inductor_config.fallback_random = True
-        self.net = torch.compile(model, mode="reduce-overhead") if mode == "compile" else model
+        self.net = torch.compile(model, mode="reduce-overhead") if self.kind == "compile" else model
         self.graph = None
         self.warm()
 
@@ -126,12 +135,12 @@ class Step:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for _ in range(3):
                 self.opt.zero_grad(set_to_none=True)
-                if self.mode == "compile":
+                if self.kind == "compile":
                     torch.compiler.cudagraph_mark_step_begin()
                 self.body()
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
-        if self.mode == "graph":
+        if self.kind == "graph":
             self.opt.zero_grad(set_to_none=True)  # the capture's backward allocates the grads in its pool
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
@@ -150,7 +159,7 @@ class Step:
             self.graph.replay()
             return
         self.opt.zero_grad(set_to_none=True)
-        if self.mode == "compile":
+        if self.kind == "compile":
             torch.compiler.cudagraph_mark_step_begin()
         self.body()
 
@@ -190,7 +199,7 @@ def main() -> None:
     modes = a.modes.split(",")
     if modes[0] != "eager" or not set(modes) <= set(MODES):
         ap.error(f"--modes: eager first, then any of {', '.join(MODES[1:])} (got {a.modes})")
-    if a.device == "cpu" and "graph" in modes:
+    if a.device == "cpu" and any(m.startswith("graph") for m in modes):
         ap.error("--modes graph needs --device cuda (CUDA graphs)")
     if a.threads:
         torch.set_num_threads(a.threads)

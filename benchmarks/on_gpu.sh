@@ -11,9 +11,9 @@
 # The default parts answer issue 38's open questions in one device command of at most 8 minutes (their
 # limits add up to 480 s; expect about 5), leaving time in a 15-minute loan for the card's start-up and one rerun:
 # first the `gpu` tests (does train.cuda_graphs capture, train as eager does and resume to the same bits),
-# then the step against the plain loop eager and with graphs. Sampling in graphs, the MFU and the plain
-# step's own graph (graph_step.py) come next: PARTS="sample-graphs mfu graphs" in a second command
-# (at most 420 s), if time is left.
+# then the step against the plain loop eager and with graphs. Next, if time is left, in this order:
+# PARTS="sample-graphs mfu-best" (sampling in graphs; the MFU with the best options: at most 300 s), then
+# PARTS="mfu graphs" (the eager MFU with its profile; the plain step graphed whole, and channels_last).
 # host-profile, sample-speed and growth were measured on earlier cards: PARTS="..." runs them.
 # PYTHON picks the interpreter (default python3), e.g. PYTHON=.venv/bin/python after `make setup`.
 set -u
@@ -60,7 +60,11 @@ part 60 growth $PY benchmarks/growth.py --device cuda --batch 128 --precision bf
 # then 5 profiled steps of each: the kernels' time by kind (convolution, GroupNorm, attention, optimizer, ...).
 part 120 mfu $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm-cifar10,iddpm-cifar10 \
     --batches 128,512 --steps 10 --rounds 6 --peak-tflops 989 --profile-steps 5 --out "$OUT/mfu-bf16.json"
+# The same with the best options the loop has (graphs, compiled blocks) at batches that fill the card more.
+part 150 mfu-best $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm-cifar10 --batches 128,512,1024 \
+    --steps 10 --rounds 4 --peak-tflops 989 --cuda-graphs --compile blocks --out "$OUT/mfu-bf16-graphs-compile.json"
 # Does capturing the whole step in a CUDA graph (or compile's reduce-overhead) pay, and at which batch
 # (issue 38, item 2): the plain step three ways, each checked against eager after 3 steps first.
 part 150 graphs $PY benchmarks/graph_step.py --device cuda --precision bf16 --batches 128,512 --steps 20 --rounds 6 \
+    --modes eager,graph,compile,eager+cl,graph+cl \
     --out "$OUT/graph_step-bf16.json"

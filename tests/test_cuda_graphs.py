@@ -211,3 +211,30 @@ def test_a_captured_run_trains_as_the_eager_run_does(tmp_path, prepared, precisi
           f" ({'bitwise' if worst == 0 else 'not bitwise'})")
     assert worst < 1e-2
     assert all(torch.isfinite(v).all() for v in b.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_step_that_logs_and_saves_nothing_never_waits_for_the_gpu(tmp_path, prepared, monkeypatch, graphs):
+    """Issue 38, item 1: between log and checkpoint steps the host never waits for the card, eager
+    or graphed. Steps 4-7 of 8 run under CUDA's sync debug mode set to "error" (switched at the
+    loop's per-step `_agree`, after the EMA update): any sync there (`.item()`, a copy to the host
+    that is not pinned and non-blocking, a synchronize) raises. bf16 (fp16's scaler reads its
+    scale on the host every step), no introspection, no post-hoc snapshots (files are written
+    from the host), one log line and one checkpoint, at the end."""
+    steps = []
+
+    def agree(flag):
+        steps.append(len(steps) + 1)
+        torch.cuda.set_sync_debug_mode("error" if 3 <= steps[-1] < 7 else "default")
+        return flag
+
+    monkeypatch.setattr(T, "_agree", agree)
+    p = params(train={"device": "cuda", "precision": "bf16", "cuda_graphs": graphs, "grad_accum": 1,
+                      "log_every": 8, "checkpoint_every": 8, "posthoc_ema": []},
+               introspect={"every": 0, "steps": [], "noise_buckets": 0})
+    try:
+        train(tmp_path, prepared, p)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert steps == list(range(1, 9))

@@ -36,7 +36,8 @@ def test_written_whole_and_read_back(tmp_path):
     raw, ema = tiny(0), tiny(1)
     out = tmp_path / "models" / "ddpm"
     write_model(out, config([0.999]), raw.state_dict(), {0.999: ema.state_dict()})
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "ema_0.999.safetensors", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "config.json", "ema_0.999.safetensors",
+                                                     "model.safetensors"]
     assert (out / "config.json").read_text() == json.dumps(config([0.999]), indent=2)  # no newline, as ever
     assert read_config(out) == config([0.999])
     for rate, net in ((0, raw), (0.999, ema)):
@@ -45,7 +46,7 @@ def test_written_whole_and_read_back(tmp_path):
         assert all(torch.equal(v, net.state_dict()[k]) for k, v in model.state_dict().items())
     # A rewrite replaces the whole directory: nothing of the old one stays.
     write_model(out, config([]), raw.state_dict(), {})
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "config.json", "model.safetensors"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["ddpm"]
 
 
@@ -70,6 +71,36 @@ def test_readers_get_one_line_errors(tmp_path):
     write_model(tmp_path / "m", config([0.9]), tiny(0).state_dict(), {0.9: tiny(1).state_dict()})
     with pytest.raises(P.ParamsError, match=r"sample.ema_rate=0.5 was not trained; available: 0.9 \(or 0"):
         load_model(tmp_path / "m", 0.5)
+
+
+def test_the_weights_sums_are_sha256sums_and_a_damaged_or_unlisted_file_is_refused(tmp_path):
+    import hashlib
+    import subprocess
+
+    out = tmp_path / "m"
+    write_model(out, config([0.9]), tiny(0).state_dict(), {0.9: tiny(1).state_dict()})
+    # what `sha256sum -c` reads, and it agrees
+    listed = (out / "SHA256SUMS").read_text()
+    assert listed == "".join(f"{hashlib.sha256((out / n).read_bytes()).hexdigest()}  {n}\n"
+                             for n in ("ema_0.9.safetensors", "model.safetensors"))
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    # one flipped byte in the EMA: its loader refuses in one line, the raw weights still load
+    ema = out / "ema_0.9.safetensors"
+    data = bytearray(ema.read_bytes())
+    data[-1] ^= 1
+    ema.write_bytes(bytes(data))
+    with pytest.raises(F.CheckpointError, match=r"ema_0.9.safetensors: sha256 differs from .*SHA256SUMS \(damaged "
+                                                r"or modified since it was written\); restore the model directory"):
+        load_model(out, 0.9)
+    load_model(out, 0)
+    # a weights file the sums do not list cannot be checked: refused too
+    (out / "SHA256SUMS").write_text(listed.splitlines()[0] + "\n")
+    with pytest.raises(F.CheckpointError, match=r"model.safetensors: not listed in"):
+        load_model(out, 0)
+    # a directory written before the sums were kept is read as it is
+    (out / "SHA256SUMS").unlink()
+    load_model(out, 0)
 
 
 def test_a_reader_restores_the_old_directory_a_killed_fallback_swap_left_aside(tmp_path):

@@ -504,6 +504,30 @@ def test_a_flipped_bit_in_a_snapshot_is_refused_before_sampling(tmp_path, monkey
         "retrain"]
 
 
+def test_a_flipped_bit_in_the_ema_weights_is_refused_before_sampling(tmp_path, monkeypatch):
+    """The same for the fixed-rate EMA that `sample.ema_rate` reads (models/ddpm/SHA256SUMS): one
+    line naming the file, nothing written, and the raw weights (another file) still sample."""
+    import yaml
+    from click.testing import CliRunner
+
+    from ddpmrepro.cli import main
+
+    model, _ = exported(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"sample": {"ema_rate": 0.999, "per_class": 1, "nfe": 3}}))
+    damaged = model / "ema_0.999.safetensors"
+    flip_a_bit_in_the_tensor_data(damaged)
+    out = CliRunner().invoke(main, ["sample", "--model", "model", "--out", "samples"])
+    assert out.exit_code != 0 and not (tmp_path / "samples").exists()
+    assert out.output.strip().splitlines() == [
+        f"Error: {damaged.relative_to(tmp_path)}: sha256 differs from {model.relative_to(tmp_path)}/SHA256SUMS "
+        "(damaged or modified since it was written); restore the model directory (`dvc checkout models/ddpm`) or "
+        "retrain"]
+    (tmp_path / "raw.yaml").write_text(yaml.safe_dump({"sample": {"ema_rate": 0, "per_class": 1, "nfe": 3}}))
+    raw = CliRunner().invoke(main, ["sample", "-p", "raw.yaml", "--model", "model", "--out", "raw"])
+    assert raw.exit_code == 0 and (tmp_path / "raw" / "samples.npz").exists(), raw.output
+
+
 def test_a_damaged_run_directory_snapshot_fails_the_export_and_a_missing_manifest_is_refused(tmp_path):
     """The export checks each snapshot against the sums written with it (a damaged one never gets a
     fresh sum); a model directory without SHA256SUMS (exported before it existed) is refused with

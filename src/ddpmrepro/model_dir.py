@@ -11,6 +11,9 @@
                                `sha256sum`'s format; every reconstruction checks the files against it
     loss_weight.safetensors    the learned loss weighting u(t) (`diffusion.loss_weighting: learned`): its
                                state and the curve `u` over t; read by the report, never by sampling
+    SHA256SUMS                 the sha256 of each weights file above, taken as it was written; a reader
+                               checks the file it loads against it (a directory written before the sums
+                               were kept has none, and is read unchecked)
     config.json                `params` (resolved), `data` (`DATA_KEYS` of the manifest it was made
                                for), `ema_rates`, `torch`, and what made it: train adds the data's
                                sha256, the code version, the run hash and the last logged values;
@@ -89,6 +92,8 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
             files.save_weights(ema, tmp / weights_file(rate))
         if loss_weight is not None:
             files.save_weights(loss_weight, tmp / LOSS_WEIGHT_FILE)
+        # Taken from the bytes just written: a file damaged or edited later no longer matches.
+        add_to_manifest(tmp, {f.name: files.sha256(f) for f in sorted(tmp.glob("*.safetensors"))})
         names = sorted(f.name for f in snapshots.iterdir() if SNAPSHOT.match(f.name)) if snapshots else []
         if names:
             (tmp / PHEMA_DIR).mkdir()
@@ -143,6 +148,7 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu", *, ema_length: fl
         state = reconstruct(model_dir / PHEMA_DIR, ema_length, trained.train, run_hash=config.get("run_hash", ""),
                             at_step=ema_step)
     else:
+        check_weights_file(model_dir, name)
         state = files.load_weights(model_dir / name)
     missing = set(model.state_dict()) ^ set(state)
     if missing:
@@ -228,6 +234,21 @@ def read_manifest(directory: Path) -> dict[str, str]:
                                         "directory (`dvc checkout models/ddpm`) or retrain")
         out[name] = digest
     return out
+
+
+def check_weights_file(model_dir: Path, name: str) -> None:
+    """`name` against the model directory's SHA256SUMS: one CheckpointError line where it differs or
+    is not listed. A directory without one (written before the sums were kept) is not checked."""
+    sums = read_manifest(model_dir)
+    if not sums:
+        return
+    path, fix = Path(model_dir) / name, "restore the model directory (`dvc checkout models/ddpm`) or retrain"
+    if name not in sums:
+        raise files.CheckpointError(f"{path}: not listed in {Path(model_dir) / MANIFEST_FILE}, so it cannot be "
+                                    f"checked; {fix}")
+    if path.exists() and files.sha256(path) != sums[name]:
+        raise files.CheckpointError(f"{path}: sha256 differs from {Path(model_dir) / MANIFEST_FILE} (damaged or "
+                                    f"modified since it was written); {fix}")
 
 
 def add_to_manifest(directory: Path, digests: dict[str, str]) -> None:
