@@ -222,9 +222,11 @@ def test_a_graphed_two_process_run_killed_and_resumed_gives_the_ddp_runs_bits(tm
 @pytest.mark.gpu
 def test_a_captured_run_killed_and_resumed_gives_the_uninterrupted_runs_bits(tmp_path, prepared):
     # On a card, with dropout (the graph's Philox draws at each replay's offset) and bf16: the graph
-    # is captured anew after the resume, and the run's bits do not notice.
+    # is captured anew after the resume, and the run's bits do not notice. 32 steps (one post-hoc
+    # snapshot each, as final_state expects): a card runs SMALL's steps in milliseconds, and the
+    # kill must land before the run ends.
     params = write_params(tmp_path / "p.yaml", model={"dropout": 0.2},
-                          train={"device": "cuda", "precision": "bf16", "cuda_graphs": True})
+                          train={"device": "cuda", "precision": "bf16", "cuda_graphs": True, "steps": 32})
     run_train(tmp_path / "straight", prepared, params, 1)
     kill_after_checkpoint(tmp_path / "resumed", prepared, params, 1, step=4)
     run_train(tmp_path / "resumed", prepared, params, 1)

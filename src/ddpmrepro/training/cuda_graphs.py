@@ -129,23 +129,20 @@ class MicrobatchGraph:
         cuda = self.device.type == "cuda"
         rng = torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()
         side = torch.cuda.Stream(self.device) if cuda else None
-        if cuda:
+        if cuda:  # warm up on a side stream, as PyTorch asks before a capture
             side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             for _ in range(WARMUP_PASSES):
                 out = self.forward_backward(self.static_in)
                 self.grads.adopt()
             self.zero_grads()
-        if cuda:
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            torch.cuda.synchronize(self.device)
-        if cuda:
-            torch.cuda.set_rng_state(rng, self.device)
-        else:
+        if not cuda:  # nothing to capture: the outputs' static buffers, and the RNG as it was
             torch.set_rng_state(rng)
-        if not cuda:
             self.static_out = {k: v.detach().clone() for k, v in out.items()}
             return
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.set_rng_state(rng, self.device)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the read-ahead thread keeps pinning host memory while the main thread captures.
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
