@@ -8,12 +8,13 @@
 #     bash benchmarks/on_gpu.sh [OUT]
 #     PARTS="train-step growth" bash benchmarks/on_gpu.sh [OUT]     # only these parts
 #
-# The default parts answer issue 38's open questions in one device command of at most 8 minutes (their
-# limits add up to 480 s; expect about 5), leaving time in a 15-minute loan for the card's start-up and one rerun:
+# The default parts answer issue 38's open questions in one device command of at most 7 minutes (their
+# limits add up to 420 s; expect about 4), leaving time in a 15-minute loan for the card's start-up and one rerun:
 # first the `gpu` tests (does train.cuda_graphs capture, train as eager does and resume to the same bits),
 # then the step against the plain loop eager and with graphs. Next, if time is left, in this order:
-# PARTS="sample-graphs mfu-best" (sampling in graphs; the MFU with the best options: at most 300 s), then
-# PARTS="mfu graphs" (the eager MFU with its profile; the plain step graphed whole, and channels_last).
+# PARTS="sample-graphs mfu-best" (sampling in graphs; the MFU with graphs and compiled blocks: at most
+# 300 s), then PARTS="train-graphs-compile mfu graphs" (graphs with compiled blocks against the plain loop;
+# the eager MFU with its profile; the plain step graphed whole, and channels_last).
 # host-profile, sample-speed and growth were measured on earlier cards: PARTS="..." runs them.
 # PYTHON picks the interpreter (default python3), e.g. PYTHON=.venv/bin/python after `make setup`.
 set -u
@@ -42,9 +43,12 @@ part 90 host-profile $PY benchmarks/step_host_profile.py "${common[@]}" --precis
 # 20-step blocks: 5-step blocks of a ~60 ms step scattered too widely (H100, 2026-11-26).
 part 120 train-step $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 8 --warmup 1 \
     --modes plain,ddpmrepro,improved-diffusion --out "$OUT/train_step-bf16.json"
-# Issue 38's item 2 in the loop itself: train.cuda_graphs, and with the compiled blocks inside the graph.
-part 180 train-graphs $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 8 --warmup 1 \
-    --modes plain,ddpmrepro+graphs,ddpmrepro+graphs+compile --out "$OUT/train_step-bf16-graphs.json"
+# Issue 38's item 2 in the loop itself: train.cuda_graphs; then (its own part, so that a failure of the
+# combination keeps the first's numbers) with the compiled blocks inside the graph.
+part 120 train-graphs $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 8 --warmup 1 \
+    --modes plain,ddpmrepro+graphs --out "$OUT/train_step-bf16-graphs.json"
+part 180 train-graphs-compile $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 6 \
+    --warmup 1 --modes plain,ddpmrepro+graphs+compile --out "$OUT/train_step-bf16-graphs-compile.json"
 part 120 sample-speed $PY benchmarks/sample_speed.py "${common[@]}" --compile --samplers ddim50 --rounds 6 \
     --out "$OUT/sample_speed-ddim50.json"
 # Issue 38's item 4: sample.cuda_graphs (and with compiled blocks) against eager, images compared, at batch 250
