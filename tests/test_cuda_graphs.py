@@ -73,9 +73,13 @@ def outputs(run: Path) -> dict[str, bytes]:
     return files
 
 
-@pytest.mark.parametrize("config", ["base", "other"])
+# an unconditional model: the network is called without labels (model_fn passes y=None)
+UNCONDITIONAL = {"model": {"class_cond": False}, "train": {"label_dropout": 0.0}}
+
+
+@pytest.mark.parametrize("config", ["base", "other", "unconditional"])
 def test_the_graphed_step_gives_the_eager_runs_bits(tmp_path, prepared, config, one_thread):
-    extra = {} if config == "base" else OTHER
+    extra = {"base": {}, "other": OTHER, "unconditional": UNCONDITIONAL}[config]
     eager = train(tmp_path / "eager", prepared, params(**extra))
     graphed_params = params(**{**extra, "train": {**extra.get("train", {}), "cuda_graphs": True}})
     graphed = train(tmp_path / "graphed", prepared, graphed_params)
