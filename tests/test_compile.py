@@ -112,6 +112,22 @@ def test_grad_checkpointing_changes_no_bit_of_a_compiled_run(tmp_path, prepared,
 
 
 @pytest.mark.slow
+def test_cuda_graphs_change_no_bit_of_a_compiled_run(tmp_path, prepared, inductor_cache):
+    # train.cuda_graphs on a CPU: no capture, but the compiled blocks run on the static buffers, the
+    # warm-up passes (Dynamo's guards and Inductor's kernels met first there) and the flat gradients
+    # Step 1 recorded (eager), steps 2-4 graphed.
+    on = {**INSTRUMENTS["train"], "compile": "blocks"}
+    sections = {**INSTRUMENTS, "introspect": {"every": 0, "steps": [1], "noise_buckets": 2}}
+    plain = in_process(tmp_path, prepared, "plain", **{**sections, "train": on})
+    graphed = in_process(tmp_path, prepared, "graphed", **{**sections, "train": {**on, "cuda_graphs": True}})
+    for f in ("model.safetensors", "ema_0.9.safetensors", "ema_0.99.safetensors"):
+        assert (plain / "model" / f).read_bytes() == (graphed / "model" / f).read_bytes(), f
+    pd.testing.assert_frame_equal(table(plain, "act_grads"), table(graphed, "act_grads"), check_exact=True)
+    loss = [pd.read_csv(run / "live" / "plots" / "metrics" / "loss.tsv", sep="\t") for run in (plain, graphed)]
+    pd.testing.assert_frame_equal(*loss, check_exact=True)
+
+
+@pytest.mark.slow
 def test_compiled_fp16_with_the_grad_scaler_agrees_with_eager_fp16(tmp_path, prepared, inductor_cache):
     train = {"steps": 3, "precision": "fp16"}
     eager = in_process(tmp_path, prepared, "eager", train=train)
