@@ -162,8 +162,8 @@ def test_outputs_are_static_and_warm_up_leaves_gradients_and_rng_as_they_were():
                           weights=torch.rand(4, generator=g), noise=torch.zeros(4), cond={},
                           x0=torch.randn(4, 3, generator=g))
 
-    graph = cuda_graphs.MicrobatchGraph(forward_backward, layer, enabled=True, device=torch.device("cpu"),
-                                        zero_grads=lambda: layer.zero_grad(set_to_none=False))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    graph = cuda_graphs.MicrobatchGraph(forward_backward, layer, opt, enabled=True, device=torch.device("cpu"))
     rng = torch.get_rng_state()
     first = graph(batch(1), eager=False)
     grad = layer.weight.grad.clone()

@@ -82,14 +82,13 @@ class FlatGradients:
 class MicrobatchGraph:
     """Runs `forward_backward(mb) -> {name: tensor}` on a microbatch: eagerly when asked (recorded
     steps) or when disabled; otherwise on static copies of its inputs, captured in a CUDA graph on
-    its first such call (a CPU runs the same code without capture). `zero_grads` must set every
-    gradient that the optimizer reads to zero in place. The returned tensors are detached; on the
-    graphed path they are overwritten by the next call."""
+    its first such call (a CPU runs the same code without capture). The returned tensors are
+    detached; on the graphed path they are overwritten by the next call. `zero_grads` after each
+    optimizer step: in place while a graph writes to the gradients, set to None otherwise."""
 
-    def __init__(self, forward_backward: Callable[[Microbatch], dict], model: torch.nn.Module, *,
-                 enabled: bool, device: torch.device, zero_grads: Callable[[], None]):
-        self.forward_backward, self.enabled, self.device = forward_backward, enabled, device
-        self.zero_grads = zero_grads
+    def __init__(self, forward_backward: Callable[[Microbatch], dict], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, *, enabled: bool, device: torch.device):
+        self.forward_backward, self.optimizer, self.enabled, self.device = forward_backward, optimizer, enabled, device
         self.grads = FlatGradients(model) if enabled else None
         self.static_in: Microbatch | None = None
         self.static_out: dict[str, torch.Tensor] = {}
@@ -116,6 +115,9 @@ class MicrobatchGraph:
             for name, value in self.forward_backward(self.static_in).items():
                 self.static_out[name].copy_(value.detach())
         return self.static_out
+
+    def zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=not self.enabled)
 
     def all_reduce_grads(self) -> None:
         """After the last microbatch: the gradients averaged over ranks (DDP's job without graphs)."""

@@ -230,7 +230,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             replays it from a CUDA graph). Returns the per-example losses (and the noise scale's sums).
             `loss_scale` is the step's, set in the loop below."""
             model_fn = _autocast_model_fn(model, mb.y if params.model.class_cond else None, mb.cond, device,
-                                          autocast_dtype, cache=not p.cuda_graphs)
+                                          autocast_dtype)
             losses = diffusion.training_losses(model_fn, mb.x0, mb.t, noise=mb.noise)
             losses = weighting.weigh(losses, mb.t)  # learned: "loss" = mse / exp(u) + vb, and u
             weighted = weighting.objective(losses) * mb.weights
@@ -238,8 +238,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             introspection.measure(weighted, mb.t, grad_multiplier=1 / p.grad_accum, loss_scale=loss_scale)
             scaler.scale(weighted.mean() / p.grad_accum).backward()
             return {**losses, **noise_scale.microbatch_sums()}
-        microbatch_step = MicrobatchGraph(forward_backward, raw_model, enabled=p.cuda_graphs, device=device,
-                                          zero_grads=lambda: opt.zero_grad(set_to_none=False))
+        microbatch_step = MicrobatchGraph(forward_backward, raw_model, opt, enabled=p.cuda_graphs, device=device)
 
         # Data order: a per-epoch permutation of (seed, epoch) sharded over ranks (DistributedSampler's);
         # each example's draws from its own seed. Both made ahead on a background thread, off the
@@ -287,7 +286,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 introspection.capture(done)  # after all-reduce and unscale; before clipping, which scales in place
                 total_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), p.grad_clip if p.grad_clip > 0 else math.inf)
                 skipped = nonfinite.step(opt, total_norm, step, loss_scale)
-                opt.zero_grad(set_to_none=not p.cuda_graphs)  # a graph writes to the same gradient tensors
+                microbatch_step.zero_grads()  # in place under train.cuda_graphs: a graph writes to them
 
                 # Update the EMA weights (not on skipped steps: the weights did not move).
                 if not skipped:
@@ -362,13 +361,13 @@ class LastSummary:
         self.summary = dict(state)
 
 
-def _autocast_model_fn(model, y, cond: dict, device: torch.device, dtype, cache: bool = True):
+def _autocast_model_fn(model, y, cond: dict, device: torch.device, dtype):
     """The network as the diffusion math calls it, model_fn(x_t, t): under autocast when training in
     fp16/bf16, its output back in fp32 (the diffusion math runs in fp32, outside autocast). y is None
-    for an unconditional model. `cache=False` under CUDA graphs: autocast's cache of weight casts
-    would outlive a capture (the casts are the same values either way)."""
+    for an unconditional model. Autocast's cache of weight casts is off: each weight is used once a
+    forward pass, so it saves nothing, and under train.cuda_graphs it would outlive a capture."""
     def model_fn(x, t):
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=cache):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=False):
             out = model(x, t, y, **cond)
         return out.float()
     return model_fn
