@@ -17,12 +17,21 @@
 # the eager MFU with its profile; the plain step graphed whole, and channels_last).
 # host-profile, sample-speed and growth were measured on earlier cards: PARTS="..." runs them.
 # PYTHON picks the interpreter (default python3), e.g. PYTHON=.venv/bin/python after `make setup`.
+# On a lent GPU machine: `python benchmarks/gpu_wheels.py` here first, then this script with carry [".whl"].
 set -u
 OUT=${1:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 LOG=$OUT/on_gpu.log
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# A lent machine fetches nothing: the wheels of what its image lacks (dvc, dvclive, snakemake, the tests'
+# references) travel in .whl, made here by `python benchmarks/gpu_wheels.py` and carried (carry: [".whl"]).
+if [ -d .whl ] && ! "$PY" -c 'import dvclive' 2>/dev/null; then
+    echo "=== installing the $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site" | tee -a "$LOG"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        2>&1 | tee -a "$LOG"
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 PARTS=${PARTS:-environment cuda-tests train-step train-graphs}
 part() {  # part SECONDS NAME COMMAND...: runs COMMAND under a time limit, logs it, never stops the script
     local limit=$1 name=$2; shift 2

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from scipy.stats import binom
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -599,3 +600,72 @@ def test_gradient_study_pairs_each_configuration_with_the_reference_at_the_same_
     got = gradient_study.paired_ratios(runs, references=("mse_none",))
     assert got == {"mse_none": {"mse_x": {0: 0.75, 1: 0.9}}}
     assert gradient_study.paired_text(got) == "tr(Σ) mse_x / mse_none, seed by seed: 0.750, 0.900 (range 0.750..0.900)"
+
+
+def test_gpu_wheels_carry_the_dependency_trees_packages_that_the_gpu_image_lacks():
+    """benchmarks/gpu_wheels.py: what travels to a lent GPU machine is ddpmrepro[dev]'s installed
+    tree (the lock's versions) less what the machine's image holds, and that set is closed: every
+    requirement of a carried package is carried, in the image, or left out on purpose."""
+    import gpu_wheels
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    tree = gpu_wheels.dependency_tree()
+    image = gpu_wheels.device_packages()
+    carry = gpu_wheels.to_carry(tree, image)
+    lock = dict(line.split("==") for line in (ROOT / "requirements.lock").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    lock = {canonicalize_name(k): v.strip() for k, v in lock.items()}
+    frozen = {k: v for k, v in tree.items() if k not in ("pip", "setuptools", "wheel")}  # pip freeze omits these
+    assert {k: lock.get(k) for k in frozen} == frozen  # the pinned versions, nothing outside the lock
+    # what on_gpu.sh's parts import beyond torch: the loop's log, the benchmarks' references, the tests' imports
+    assert {"dvc", "dvclive", "snakemake", "greenlet", "improved-diffusion-for-smlm", "diffusers", "ema-pytorch",
+            "torch-fidelity", "mlxtend"} <= set(carry)
+    assert {"torch", "torchvision", "numpy", "pandas", "pytest"} <= image and not set(carry) & image
+    assert "pulp" in tree and "pulp" not in carry
+    assert set(tree) == set(carry) | (set(tree) & image) | (set(tree) & gpu_wheels.LEFT_OUT)
+    import importlib.metadata as md
+    for name in carry:
+        for text in md.distribution(name).requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({**gpu_wheels.MARKER_ENV, "extra": ""}):
+                assert canonicalize_name(req.name) in set(carry) | image | gpu_wheels.LEFT_OUT, (name, text)
+    # the markers are read for the machine's Python 3.12, not this one's
+    assert not Requirement('x; python_version < "3.12"').marker.evaluate(gpu_wheels.MARKER_ENV)
+
+
+def test_op_counter_counts_each_dispatched_operation_under_its_region():
+    import op_count
+
+    counter = op_count.OpCounter()
+    with counter:
+        x = torch.ones(3)
+        x.add_(1).mul(2)
+        counter.region = None  # not counted (a replayed graph's operations)
+        x.sub(1)
+        counter.region = "microbatch"
+        x.mul(3).sum()
+    assert dict(counter.counts["rest"]) == {"ones": 1, "add_": 1, "mul": 1}
+    assert dict(counter.counts["microbatch"]) == {"mul": 1, "sum": 1}
+    assert op_count.per_step(counter.counts, 1)["ops_per_step"] == 5
+
+
+@pytest.mark.slow
+def test_op_count_benchmark_counts_each_loops_step_and_leaves_replays_out(tmp_path):
+    """The count of a block is the same in the next block (nothing timing-dependent); the graphed
+    loop dispatches, outside its replays, what the eager loop dispatches outside the microbatch
+    function, plus the copies into and out of the graph's static buffers and the in-place zeroing."""
+    out = tmp_path / "ops.json"
+    text = run("op_count.py", "--preset", "tiny", "--model-channels", "0", "--image-size", "8", "--channels", "1",
+               "--batch", "4", "--steps", "2", "--modes", "plain,ddpmrepro,ddpmrepro+graphs", "--out", str(out))
+    r = json.loads(out.read_text())
+    c = r["contenders"]
+    assert all(v["same_in_both_blocks"] for v in c.values())
+    assert set(c["plain"]["regions"]) == {"rest"} and set(c["ddpmrepro"]["regions"]) == {"microbatch", "rest"}
+    assert set(c["ddpmrepro+graphs"]["regions"]) == {"rest"}  # every microbatch of the block was a replay
+    eager, graphed = c["ddpmrepro"]["regions"], c["ddpmrepro+graphs"]["regions"]
+    assert 0 < graphed["rest"] - eager["rest"] <= 16, (graphed, eager)
+    # the forward and backward passes are most of a step, and the same model's in both loops
+    assert eager["microbatch"] > 0.6 * c["plain"]["ops_per_step"]
+    assert c["ddpmrepro"]["vs_plain"] == pytest.approx(c["ddpmrepro"]["ops_per_step"] / c["plain"]["ops_per_step"])
+    assert "x1.000 of plain" in text and "--steps 2" in r["command"]
