@@ -14,7 +14,7 @@
 # then the step against the plain loop eager and with graphs. Next, if time is left, in this order:
 # PARTS="sample-graphs mfu-best" (sampling in graphs; the MFU with graphs and compiled blocks: at most
 # 300 s), then PARTS="train-graphs-compile mfu graphs" (graphs with compiled blocks against the plain loop;
-# the eager MFU with its profile; the plain step graphed whole, and channels_last).
+# the eager MFU with its profile; the plain step graphed whole, and channels_last), then PARTS="op-count".
 # host-profile, sample-speed and growth were measured on earlier cards: PARTS="..." runs them.
 # PYTHON picks the interpreter (default python3), e.g. PYTHON=.venv/bin/python after `make setup`.
 # On a lent GPU machine: `python benchmarks/gpu_wheels.py` here first, then this script with carry [".whl"].
@@ -76,6 +76,10 @@ part 120 mfu $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm
 # The same with the best options the loop has (graphs, compiled blocks) at batches that fill the card more.
 part 150 mfu-best $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm-cifar10 --batches 128,512,1024 \
     --steps 10 --rounds 4 --peak-tflops 989 --cuda-graphs --compile blocks --out "$OUT/mfu-bf16-graphs-compile.json"
+# The host's work per step counted (benchmarks/op_count.py): the ATen operations each loop dispatches, the
+# graphed loop's outside its replays; exact, so one block each. On a CPU AdamW's foreach path adds ~610 reads.
+part 90 op-count $PY benchmarks/op_count.py --device cuda --precision bf16 --model-channels 0 --batch 128 \
+    --out "$OUT/op_count-bf16.json"
 # Does capturing the whole step in a CUDA graph (or compile's reduce-overhead) pay, and at which batch
 # (issue 38, item 2): the plain step three ways, each checked against eager after 3 steps first.
 part 150 graphs $PY benchmarks/graph_step.py --device cuda --precision bf16 --batches 128,512 --steps 20 --rounds 6 \

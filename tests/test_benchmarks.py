@@ -669,3 +669,21 @@ def test_op_count_benchmark_counts_each_loops_step_and_leaves_replays_out(tmp_pa
     assert eager["microbatch"] > 0.6 * c["plain"]["ops_per_step"]
     assert c["ddpmrepro"]["vs_plain"] == pytest.approx(c["ddpmrepro"]["ops_per_step"] / c["plain"]["ops_per_step"])
     assert "x1.000 of plain" in text and "--steps 2" in r["command"]
+
+
+@pytest.mark.slow
+def test_reader_contention_benchmark_pairs_each_arrangement_with_rows_only(tmp_path):
+    out = tmp_path / "rc.json"
+    run("reader_contention.py", "--batch", "16", "--image", "1x8x8", "--steps", "2", "--rounds", "3", "--out", str(out))
+    r = json.loads(out.read_text())
+    names = {"rows", "draws-reader", "draws-main", "idle"}
+    check_paired(r["timing"], names, 3, "rows", threads=1)
+    wall = {n: r["timing"]["wall_s"][n]["per_round"] for n in names}
+    assert set(r["extra_ms_per_step_vs_rows"]) == names and r["extra_ms_per_step_vs_rows"]["rows"]["median"] == 0
+    for n in names:  # the extra time is the paired difference per step, in ms
+        assert r["extra_ms_per_step_vs_rows"][n]["median"] == pytest.approx(
+            statistics.median([1e3 * (w - b) / 2 for w, b in zip(wall[n], wall["rows"])]))
+    saved = [1 - (a - b) / (m - b) for a, m, b in zip(wall["draws-reader"], wall["draws-main"], wall["rows"]) if m > b]
+    if saved:
+        assert r["share_of_draws_cost_saved_by_the_reader"]["median"] == pytest.approx(statistics.median(saved))
+    assert r["draws_cpu_ms_on_the_calling_thread"]["median"] > 0 and r["image"] == [1, 8, 8]
