@@ -14,7 +14,8 @@
 # then the step against the plain loop eager and with graphs. Next, if time is left, in this order:
 # PARTS="sample-graphs mfu-best" (sampling in graphs; the MFU with graphs and compiled blocks: at most
 # 300 s), then PARTS="train-graphs-compile mfu graphs" (graphs with compiled blocks against the plain loop;
-# the eager MFU with its profile; the plain step graphed whole, and channels_last), then PARTS="op-count".
+# the eager MFU with its profile; the plain step graphed whole, and channels_last), then
+# PARTS="sample-bf16 op-count".
 # host-profile, sample-speed and growth were measured on earlier cards: PARTS="..." runs them.
 # PYTHON picks the interpreter (default python3), e.g. PYTHON=.venv/bin/python after `make setup`.
 # On a lent GPU machine: `python benchmarks/gpu_wheels.py` here first, then this script with carry [".whl"].
@@ -64,6 +65,9 @@ part 120 sample-speed $PY benchmarks/sample_speed.py "${common[@]}" --compile --
 # (500 a forward with guidance) and 1000.
 part 150 sample-graphs $PY benchmarks/sample_speed.py "${common[@]}" --compile --graphs --samplers ddim50 --rounds 6 \
     --out "$OUT/sample_speed-ddim50-graphs.json"
+# sample.precision: the network in bf16 (tensor cores), alone and in graphs, against eager fp32 (images compared).
+part 150 sample-bf16 $PY benchmarks/sample_speed.py "${common[@]}" --graphs --precision bf16 --samplers ddim50 \
+    --rounds 6 --out "$OUT/sample_speed-ddim50-graphs-bf16.json"
 part 120 sample-graphs-1000 $PY benchmarks/sample_speed.py "${common[@]}" --graphs --samplers ddim50 --rounds 4 \
     --batch 1000 --out "$OUT/sample_speed-ddim50-graphs-b1000.json"
 part 60 growth $PY benchmarks/growth.py --device cuda --batch 128 --precision bf16 --peak-tflops 989 --rounds 6 \

@@ -16,6 +16,9 @@ For each sampler, two contenders on one model (random weights: speed does not de
              `ddpmrepro+compile+graphs`. Their first block (the capture) is timed on its own, and
              their images are compared with eager ddpmrepro's (`vs_eager_images`: the largest uint8
              difference and the share of identical values; the goal is within one level)
+  ddpmrepro+bf16     (--precision bf16, or fp16) `generate` with the network under autocast
+             (`sample.precision`), and with --graphs `ddpmrepro+bf16+graphs`; their images are
+             compared with eager fp32's the same way (they differ by the network's rounding)
 A block is one whole sampling run of a batch. Timing: benchmarks/timing.py's paired rounds
 (both contenders once per round in random order); overhead = per-round time(ddpmrepro) /
 time(bare) - 1, median and spread over rounds (target <= 5%).
@@ -60,6 +63,8 @@ def main() -> None:
     ap.add_argument("--samplers", default=",".join(SAMPLERS), help="which of " + ", ".join(SAMPLERS))
     ap.add_argument("--compile", action="store_true", help="also ddpmrepro with sample.compile: blocks")
     ap.add_argument("--graphs", action="store_true", help="also ddpmrepro with sample.cuda_graphs")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                    help="also ddpmrepro with sample.precision at this dtype (and with graphs, with --graphs)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.quick:
@@ -70,7 +75,14 @@ def main() -> None:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     model = build_unet(P.ModelParams(preset=a.preset), image_size=a.image_size, in_channels=a.channels,
-                       num_classes=a.classes, learn_sigma=False).to(device).eval()
+                       num_classes=a.classes, learn_sigma=False)
+    # The layers a UNet starts at zero (each block's last convolution, the output) get PyTorch's default
+    # initialisation, so the network's output depends on its input and the contenders' images compare
+    # something: with the output layer at zero every contender's images would be the noise's alone.
+    for q in model.parameters():
+        if q.dim() > 1 and not q.any():
+            torch.nn.init.kaiming_uniform_(q, a=5 ** 0.5)
+    model = model.to(device).eval()
     shape = (a.channels, a.image_size, a.image_size)
     # the other contenders' networks: compiled blocks, CUDA graphs, both
     variants = {}
@@ -87,6 +99,13 @@ def main() -> None:
         variants["ddpmrepro+graphs"] = GraphedNetwork(model, device)
         if a.compile:
             variants["ddpmrepro+compile+graphs"] = GraphedNetwork(variants["ddpmrepro+compile"], device)
+    if a.precision != "fp32":  # sample.precision: the network under autocast, alone and with graphs
+        from ddpmrepro.runtime.autocast_network import with_precision
+
+        variants[f"ddpmrepro+{a.precision}"] = with_precision(model, a.precision, device)
+        if a.graphs:
+            variants[f"ddpmrepro+{a.precision}+graphs"] = GraphedNetwork(with_precision(model, a.precision, device),
+                                                                         device)
     results = {}
     for name in a.samplers.split(","):
         sampler, respacing = SAMPLERS[name]
@@ -160,6 +179,7 @@ def main() -> None:
     tag = "" if (a.device, a.preset) == ("cpu", "tiny") else f"-{a.device}-{a.preset}"
     tag += "-compile" if a.compile else ""
     tag += "-graphs" if a.graphs else ""
+    tag += f"-{a.precision}" if a.precision != "fp32" else ""
     out = a.out or Path(f"benchmarks/results/sample_speed{tag}{'-quick' if a.quick else ''}-threads{result['threads']}.json")
     write_result(result, out)
 

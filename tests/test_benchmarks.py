@@ -199,13 +199,18 @@ def test_host_profile_charges_each_wait_to_the_python_line_that_caused_it():
 @pytest.mark.slow
 def test_sample_speed_benchmark_pairs_generate_with_bare_forwards(tmp_path):
     out = tmp_path / "sample.json"
-    run("sample_speed.py", "--batch", "4", "--rounds", "3", "--samplers", "ddim50", "--graphs", "--out", str(out))
+    run("sample_speed.py", "--batch", "4", "--rounds", "3", "--samplers", "ddim50", "--graphs", "--precision", "bf16",
+        "--out", str(out))
     r = json.loads(out.read_text())
     s = r["samplers"]["ddim50"]
     assert s["steps"] == 50 and s["forward_batch"] == 8  # guidance doubles the batch
-    check_paired(s["timing"], {"ddpmrepro", "bare", "ddpmrepro+graphs"}, 3, "bare", threads=r["threads"])
+    check_paired(s["timing"], {"ddpmrepro", "bare", "ddpmrepro+graphs", "ddpmrepro+bf16", "ddpmrepro+bf16+graphs"}, 3,
+                 "bare", threads=r["threads"])
     # on a CPU nothing is captured: the graphed path's images are eager's, bit for bit
     assert s["vs_eager"]["ddpmrepro+graphs"]["images"] == {"max_uint8_difference": 0, "identical": 1.0}
+    # the network's output depends on its input (no layer left at zero), so bf16's rounding shows in the images
+    bf16 = s["vs_eager"]["ddpmrepro+bf16"]["images"]
+    assert bf16["max_uint8_difference"] > 0 and s["vs_eager"]["ddpmrepro+bf16+graphs"]["images"] == bf16
     assert s["overhead_pct"] == pytest.approx(100 * (s["time_ratio_vs_bare"]["median"] - 1))
     assert s["verdict"].startswith("unresolved (too few")  # 3 rounds cannot give a 95% interval
     (row,) = table_rows(out)

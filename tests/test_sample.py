@@ -142,6 +142,76 @@ def test_a_graphed_network_keeps_one_graph_per_input_shape_and_hands_out_copies(
     assert len(graphed.entries) == 2  # (2, 1, 4, 4) and (3, 1, 4, 4)
 
 
+def test_an_autocast_network_computes_in_its_dtype_and_hands_out_float32():
+    """What bf16 and fp16 mean for a linear layer, written out: inputs, weights and bias rounded to
+    the dtype, the product in it; the output back as float32 for the solver."""
+    import torch
+
+    from ddpmrepro.runtime.autocast_network import AutocastNetwork, with_precision
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    for dtype in (torch.bfloat16, torch.float16):
+        wrapped = AutocastNetwork(net, dtype, torch.device("cpu"))
+        assert wrapped.weight is net.weight  # the network's attributes, as bind_labels and the samplers read them
+        with torch.no_grad():
+            out = wrapped(x)
+            by_hand = torch.nn.functional.linear(x.to(dtype), net.weight.to(dtype), net.bias.to(dtype)).float()
+            assert out.dtype == torch.float32 and torch.equal(out, by_hand)
+            assert not torch.equal(out, net(x))  # it did round
+    assert with_precision(net, "fp32", "cpu") is net  # fp32 is the network itself: a default run's images unchanged
+    assert isinstance(with_precision(net, "bf16", "cpu"), AutocastNetwork)
+
+
+def test_bf16_and_fp16_sampling_move_the_images_by_the_networks_rounding(trained):
+    """sample.precision through the CLI: the images within a uint8 level of fp32's on this model (its
+    digits are nearly black and white, so most pixels saturate), the option recorded with them, and
+    a graphed bf16 run gives the eager bf16 images to the bit."""
+    images = {}
+    for precision, graphs in (("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True)):
+        name = write_params(trained, f"precision_{precision}_{graphs}.yaml", sampler="dpmpp_2m", batch_size=7,
+                            precision=precision, cuda_graphs=graphs)
+        out = trained / f"precision_{precision}_{graphs}"
+        result = CliRunner().invoke(main, ["sample", "--params", str(trained / name), "--model",
+                                           str(trained / "model"), "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        images[precision, graphs] = np.load(out / "samples.npz")["images"].astype(int)
+        assert yaml.safe_load((out / "params.yaml").read_text())["sample"]["precision"] == precision
+    fp32 = images["fp32", False]
+    for key, got in images.items():
+        diff = np.abs(got - fp32)
+        print(f"{key}: mean uint8 difference from fp32 {diff.mean():.4f}, max {diff.max()}")
+        assert diff.max() <= 1 and got.std() > 0
+    assert np.array_equal(images["bf16", True], images["bf16", False])
+
+
+@pytest.mark.gpu
+def test_bf16_sampling_on_a_card_stays_close_to_fp32():
+    """The network in bf16 on a card, every weight random: the images move, but little; printed."""
+    import torch
+
+    from ddpmrepro.evaluation.sample import generate
+    from ddpmrepro.model.diffusion import from_params
+    from ddpmrepro.model.unet import build_unet
+    from ddpmrepro.runtime.autocast_network import with_precision
+
+    torch.manual_seed(0)
+    net = build_unet(P.ModelParams(**SMALL["model"]), image_size=8, in_channels=1, num_classes=10).cuda().eval()
+    for p in net.parameters():
+        p.data.normal_(0, 0.05)
+    p = P.SampleParams(sampler="ddim", respacing="ddim10", guidance=0.5)
+    diffusion = from_params(P.DiffusionParams(timesteps=100), respacing=p.respacing)
+    labels, seeds = torch.arange(10) % 10, list(range(10))
+    fp32 = generate(net, diffusion, labels, seeds, p, 10, (1, 8, 8), "cuda").float()
+    bf16 = generate(with_precision(net, "bf16", "cuda"), diffusion, labels, seeds, p, 10, (1, 8, 8), "cuda").float()
+    diff = (fp32 - bf16).abs()
+    corr = float(torch.corrcoef(torch.stack([fp32.flatten(), bf16.flatten()]))[0, 1])
+    print(f"bf16 DDIM-10 against fp32: mean uint8 difference {float(diff.mean()):.3f}, max {int(diff.max())}, "
+          f"correlation {corr:.4f}")
+    assert corr > 0.95 and float(diff.mean()) < 8
+
+
 @pytest.mark.gpu
 def test_captured_sampling_is_within_a_uint8_level_of_eager():
     import torch
@@ -173,6 +243,7 @@ def test_captured_sampling_is_within_a_uint8_level_of_eager():
     ({"sampler": "ddim", "thresholding": "dynamic"},
      "sample.thresholding: 'dynamic' is for the fast solvers; ddim takes static or none (its clip_denoised)"),
     ({"sampler": "unipc", "churn": 1.0}, "sample.churn: only heun adds churn, not unipc; set churn: 0"),
+    ({"precision": "fp8"}, "sample.precision: 'fp8' is not one of fp32 | bf16 | fp16"),
 ])
 def test_bad_sampler_values_exit_2_with_one_line_and_write_nothing(tmp_path, bad, message):
     path = tmp_path / "params.yaml"

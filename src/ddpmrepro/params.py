@@ -350,6 +350,10 @@ class SampleParams:
                                       "sampler's arithmetic stays eager): one launch per network call instead of "
                                       "hundreds (docs/SAMPLERS.md, CUDA graphs). On a CPU the same code runs "
                                       "without capture.")
+    precision: str = _f("fp32", choices=("fp32", "bf16", "fp16"),
+                        doc="The network's forward in this dtype (autocast; the guidance and the solver stay "
+                            "float32): a GPU's tensor cores run bf16/fp16 at a multiple of float32's rate. "
+                            "Changes the images (docs/SAMPLERS.md, Precision). Upsampling too.")
 
 
 @dataclass(frozen=True)

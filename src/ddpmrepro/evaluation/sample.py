@@ -23,6 +23,7 @@ from ..model_dir import load_model
 from ..params import Params, ParamsError, SampleParams
 from ..runtime import compilation
 from ..runtime import distributed as D
+from ..runtime.autocast_network import with_precision
 from ..runtime.graphed_network import GraphedNetwork
 
 
@@ -98,6 +99,7 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     model, trained, config = load_model(model_dir, p.ema_rate, device, ema_length=p.ema_length,
                                          ema_step=p.ema_step)
     compiler(model)  # the network is called nfe times per batch: its blocks compiled once
+    model = with_precision(model, p.precision, device)  # bf16/fp16 forwards; the solver in float32
     if p.cuda_graphs:  # and replayed from a CUDA graph per batch shape (the solver's arithmetic stays eager)
         model = GraphedNetwork(model, device)
     if trained.superres.low_res:

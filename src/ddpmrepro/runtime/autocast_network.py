@@ -1,0 +1,38 @@
+"""`sample.precision`: the network's forward pass in bf16 or fp16 while sampling, the solver in float32.
+
+A sampler's time is its network calls (20 to 1,000 per image), and a GPU's tensor cores run bf16
+and fp16 convolutions and matrix products at about twice TF32's rate and a multiple of float32's.
+`AutocastNetwork` runs each call under `torch.autocast` in that dtype and returns the output as
+float32, so everything around the network (the guidance's combination, the solver's arithmetic,
+the seeded noise) computes as at fp32. The images change (the network's rounding does):
+docs/SAMPLERS.md, Precision, has by how much on the default model.
+
+Autocast's weight-cast cache is off: each call casts each weight once anyway, and under
+`sample.cuda_graphs` a cast cached in one call would outlive its capture.
+"""
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class AutocastNetwork:
+    """`net` called under autocast in `dtype`, its output as float32; other attributes are `net`'s."""
+
+    def __init__(self, net: torch.nn.Module, dtype: torch.dtype, device: torch.device):
+        self.net, self.dtype, self.device_type = net, dtype, torch.device(device).type
+
+    def __getattr__(self, name: str):  # label_embed, aug_embed, num_classes, ...: the network's own
+        return getattr(self.net, name)
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False):
+            out = self.net(*args, **kwargs)
+        return out.float()
+
+
+def with_precision(net, precision: str, device):
+    """`net` itself at fp32 (not wrapped: the images of a default run are what they always were),
+    else wrapped in `AutocastNetwork`."""
+    return net if precision == "fp32" else AutocastNetwork(net, DTYPES[precision], device)
