@@ -102,10 +102,9 @@ def main() -> None:
     if a.precision != "fp32":  # sample.precision: the network under autocast, alone and with graphs
         from ddpmrepro.runtime.autocast_network import with_precision
 
-        variants[f"ddpmrepro+{a.precision}"] = with_precision(model, a.precision, device)
+        low = variants[f"ddpmrepro+{a.precision}"] = with_precision(model, a.precision, device)
         if a.graphs:
-            variants[f"ddpmrepro+{a.precision}+graphs"] = GraphedNetwork(with_precision(model, a.precision, device),
-                                                                         device)
+            variants[f"ddpmrepro+{a.precision}+graphs"] = GraphedNetwork(low, device)
     results = {}
     for name in a.samplers.split(","):
         sampler, respacing = SAMPLERS[name]

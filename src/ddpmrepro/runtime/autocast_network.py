@@ -1,14 +1,15 @@
-"""`sample.precision`: the network's forward pass in bf16 or fp16 while sampling, the solver in float32.
+"""The network's forward pass in bf16 or fp16, everything around it in float32: `train.precision`
+and `sample.precision`.
 
-A sampler's time is its network calls (20 to 1,000 per image), and a GPU's tensor cores run bf16
-and fp16 convolutions and matrix products at about twice TF32's rate and a multiple of float32's.
-`AutocastNetwork` runs each call under `torch.autocast` in that dtype and returns the output as
-float32, so everything around the network (the guidance's combination, the solver's arithmetic,
-the seeded noise) computes as at fp32. The images change (the network's rounding does):
-docs/SAMPLERS.md, Precision, has by how much on the default model.
+A GPU's tensor cores run bf16 and fp16 convolutions and matrix products at about twice TF32's rate
+and a multiple of float32's. `AutocastNetwork` runs each call under `torch.autocast` in that dtype
+and returns the output as float32, so everything around the network computes as at fp32: the
+diffusion's loss (training: the GradScaler and its skips are the loop's), or the guidance's
+combination, the solver's arithmetic and the seeded noise (sampling; its images change by the
+network's rounding: docs/SAMPLERS.md, Precision, has by how much on the default model).
 
-Autocast's weight-cast cache is off: each call casts each weight once anyway, and under
-`sample.cuda_graphs` a cast cached in one call would outlive its capture.
+Autocast's weight-cast cache is off: each call casts each weight once anyway, and under CUDA graphs
+(`train.cuda_graphs`, `sample.cuda_graphs`) a cast cached in one call would outlive its capture.
 """
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from ..model_dir import data_section, write_model
 from ..params import Params, ParamsError
 from ..runtime import compilation
 from ..runtime import distributed as D
+from ..runtime.autocast_network import with_precision
 from . import checkpoint as ckpt
 from .batches import TrainBatches, TrainExamples, step_seed
 from .code_version import code_version
@@ -172,7 +173,6 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     weighting = loss_weighting(params.diffusion.loss_weighting, diffusion.alphas_cumprod.numpy(), seed=p.seed,
                                optimizer=opt, device=device)
     scaler = torch.amp.GradScaler(device.type, enabled=p.precision == "fp16")
-    autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(p.precision)
     ema = EMA(raw_model, p.ema_rates, warmup=p.ema_warmup)
     phema = PowerEMA(raw_model, p.posthoc_ema, count=p.posthoc_ema_snapshots, steps=p.steps,  # EDM2's post-hoc EMA
                      dtype=p.posthoc_ema_dtype)
@@ -224,13 +224,13 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         # Under train.cuda_graphs the gradients are all-reduced after the backward, not by DDP's hooks inside it.
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) \
             if world > 1 and not p.cuda_graphs else raw_model
+        network = with_precision(model, p.precision, device)  # fp16/bf16: autocast, the output back in fp32
 
         def forward_backward(mb) -> dict:
             """One microbatch's loss and its scaled backward pass: device work only (train.cuda_graphs
             replays it from a CUDA graph). Returns the per-example losses (and the noise scale's sums).
             `loss_scale` is the step's, set in the loop below."""
-            model_fn = _autocast_model_fn(model, mb.y if params.model.class_cond else None, mb.cond, device,
-                                          autocast_dtype)
+            model_fn = _model_fn(network, mb.y if params.model.class_cond else None, mb.cond)
             losses = diffusion.training_losses(model_fn, mb.x0, mb.t, noise=mb.noise)
             losses = weighting.weigh(losses, mb.t)  # learned: "loss" = mse / exp(u) + vb, and u
             weighted = weighting.objective(losses) * mb.weights
@@ -361,15 +361,13 @@ class LastSummary:
         self.summary = dict(state)
 
 
-def _autocast_model_fn(model, y, cond: dict, device: torch.device, dtype):
-    """The network as the diffusion math calls it, model_fn(x_t, t): under autocast when training in
-    fp16/bf16, its output back in fp32 (the diffusion math runs in fp32, outside autocast). y is None
-    for an unconditional model. Autocast's cache of weight casts is off: each weight is used once a
-    forward pass, so it saves nothing, and under train.cuda_graphs it would outlive a capture."""
+def _model_fn(network, y, cond: dict):
+    """The network as the diffusion math calls it, model_fn(x_t, t), with this microbatch's labels
+    (None for an unconditional model) and conditioning bound. In fp16/bf16 `network` is the model
+    under autocast (`runtime/autocast_network.py`), its output in fp32: the diffusion math runs in
+    fp32, outside autocast."""
     def model_fn(x, t):
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=False):
-            out = model(x, t, y, **cond)
-        return out.float()
+        return network(x, t, y, **cond)
     return model_fn
 
 
