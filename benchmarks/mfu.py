@@ -158,6 +158,7 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=tuple(DTYPES))
     ap.add_argument("--compile", default="none", choices=("none", "blocks"), help="train.compile")
     ap.add_argument("--cuda-graphs", action="store_true", help="train.cuda_graphs (on a CPU: its code, no capture)")
+    ap.add_argument("--channels-last", action="store_true", help="train.channels_last: weights and images in NHWC")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="a datasheet peak, for a second MFU (0: none)")
     ap.add_argument("--profile-steps", type=int, default=0, help="then profile this many steps of each row: the "
@@ -177,7 +178,8 @@ def main() -> None:
             for batch in map(int, a.batches.split(",")):
                 cfg = SimpleNamespace(image_size=a.image_size, channels=a.channels, preset=preset, batch=batch,
                                       steps=a.steps, device=a.device, precision=a.precision)
-                raw = bench_params(cfg, "uniform", total, compile=a.compile, cuda_graphs=a.cuda_graphs).to_dict()
+                raw = bench_params(cfg, "uniform", total, compile=a.compile, cuda_graphs=a.cuda_graphs,
+                                   channels_last=a.channels_last).to_dict()
                 raw["diffusion"] = {**raw["diffusion"], **preset_diffusion(preset)}
                 raw["sample"]["respacing"] = ""  # any T: sampling is not run here
                 params = P.from_dict(raw)
@@ -216,11 +218,13 @@ def main() -> None:
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(), "precision": a.precision,
         "torch": torch.__version__, "machine": platform.machine(), "threads": threads,
         "gemm": {"before": gemm_before, "after": gemm_after, "tflops": rate}, "peak_tflops": a.peak_tflops or None,
-        "steps_per_block": a.steps, "compile": a.compile, "cuda_graphs": a.cuda_graphs, "rows": list(rows.values()),
+        "steps_per_block": a.steps, "compile": a.compile, "cuda_graphs": a.cuda_graphs,
+        "channels_last": a.channels_last, "rows": list(rows.values()),
         "timing": timing,
     }
     tag = "" if a.device == "cpu" else f"-{a.device}-{a.precision}"
     tag += "-graphs" if a.cuda_graphs else ""
+    tag += "-cl" if a.channels_last else ""
     write_result(result, a.out or Path(f"benchmarks/results/mfu{tag}-threads{threads}.json"))
 
 

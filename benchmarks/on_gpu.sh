@@ -13,9 +13,10 @@
 # first the `gpu` tests (does train.cuda_graphs capture, train as eager does and resume to the same bits),
 # then the step against the plain loop eager and with graphs. Next, if time is left, in this order:
 # PARTS="sample-graphs mfu-best" (sampling in graphs; the MFU with graphs and compiled blocks: at most
-# 300 s), then PARTS="train-graphs-compile mfu graphs" (graphs with compiled blocks against the plain loop;
-# the eager MFU with its profile; the plain step graphed whole, and channels_last), then
-# PARTS="sample-bf16 op-count".
+# 300 s), then PARTS="train-cl mfu-best-cl sample-cl" (train.channels_last and sample.channels_last: NHWC
+# against NCHW, at most 450 s), then PARTS="train-graphs-compile mfu graphs" (graphs with compiled blocks
+# against the plain loop; the eager MFU with its profile; the plain step graphed whole, and channels_last),
+# then PARTS="sample-bf16 op-count".
 # host-profile, sample-speed and growth were measured on earlier cards: PARTS="..." runs them.
 # PYTHON picks the interpreter (default python3), e.g. PYTHON=.venv/bin/python after `make setup`.
 # On a lent GPU machine: `python benchmarks/gpu_wheels.py` here first, then this script with carry [".whl"].
@@ -57,6 +58,9 @@ part 120 train-step $PY benchmarks/train_step.py "${common[@]}" --precision bf16
 # combination keeps the first's numbers) with the compiled blocks inside the graph.
 part 120 train-graphs $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 8 --warmup 1 \
     --modes plain,ddpmrepro+graphs --out "$OUT/train_step-bf16-graphs.json"
+# train.channels_last: the model and its images in NHWC, eager and graphed, against the plain loop in both layouts.
+part 150 train-cl $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 6 --warmup 1 \
+    --modes plain,plain+cl,ddpmrepro,ddpmrepro+cl,ddpmrepro+graphs+cl --out "$OUT/train_step-bf16-cl.json"
 part 180 train-graphs-compile $PY benchmarks/train_step.py "${common[@]}" --precision bf16 --steps 20 --rounds 6 \
     --warmup 1 --modes plain,ddpmrepro+graphs+compile --out "$OUT/train_step-bf16-graphs-compile.json"
 part 120 sample-speed $PY benchmarks/sample_speed.py "${common[@]}" --compile --samplers ddim50 --rounds 6 \
@@ -68,6 +72,9 @@ part 150 sample-graphs $PY benchmarks/sample_speed.py "${common[@]}" --compile -
 # sample.precision: the network in bf16 (tensor cores), alone and in graphs, against eager fp32 (images compared).
 part 150 sample-bf16 $PY benchmarks/sample_speed.py "${common[@]}" --graphs --precision bf16 --samplers ddim50 \
     --rounds 6 --out "$OUT/sample_speed-ddim50-graphs-bf16.json"
+# sample.channels_last: eager, graphed, and graphed in bf16, each in NHWC, against eager NCHW (images compared).
+part 150 sample-cl $PY benchmarks/sample_speed.py "${common[@]}" --graphs --precision bf16 --channels-last \
+    --samplers ddim50 --rounds 6 --out "$OUT/sample_speed-ddim50-graphs-bf16-cl.json"
 part 120 sample-graphs-1000 $PY benchmarks/sample_speed.py "${common[@]}" --graphs --samplers ddim50 --rounds 4 \
     --batch 1000 --out "$OUT/sample_speed-ddim50-graphs-b1000.json"
 part 60 growth $PY benchmarks/growth.py --device cuda --batch 128 --precision bf16 --peak-tflops 989 --rounds 6 \
@@ -80,6 +87,10 @@ part 120 mfu $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm
 # The same with the best options the loop has (graphs, compiled blocks) at batches that fill the card more.
 part 150 mfu-best $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm-cifar10 --batches 128,512,1024 \
     --steps 10 --rounds 4 --peak-tflops 989 --cuda-graphs --compile blocks --out "$OUT/mfu-bf16-graphs-compile.json"
+# And with channels_last too, at the batches that fill the card (the plain step in NHWC is in `graphs`).
+part 150 mfu-best-cl $PY benchmarks/mfu.py --device cuda --precision bf16 --presets ddpm-cifar10 --batches 128,512,1024 \
+    --steps 10 --rounds 4 --peak-tflops 989 --cuda-graphs --compile blocks --channels-last \
+    --out "$OUT/mfu-bf16-graphs-compile-cl.json"
 # The host's work per step counted (benchmarks/op_count.py): the ATen operations each loop dispatches, the
 # graphed loop's outside its replays; exact, so one block each. On a CPU AdamW's foreach path adds ~610 reads.
 part 90 op-count $PY benchmarks/op_count.py --device cuda --precision bf16 --model-channels 0 --batch 128 \

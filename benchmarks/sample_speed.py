@@ -19,6 +19,9 @@ For each sampler, two contenders on one model (random weights: speed does not de
   ddpmrepro+bf16     (--precision bf16, or fp16) `generate` with the network under autocast
              (`sample.precision`), and with --graphs `ddpmrepro+bf16+graphs`; their images are
              compared with eager fp32's the same way (they differ by the network's rounding)
+  ddpmrepro+cl       (--channels-last) `generate` with a copy of the network in NHWC
+             (`sample.channels_last`), and with --graphs each graphed contender's NHWC twin
+             (`...+cl`, the bf16 one included); images compared with eager fp32's
 A block is one whole sampling run of a batch. Timing: benchmarks/timing.py's paired rounds
 (both contenders once per round in random order); overhead = per-round time(ddpmrepro) /
 time(bare) - 1, median and spread over rounds (target <= 5%).
@@ -63,6 +66,8 @@ def main() -> None:
     ap.add_argument("--samplers", default=",".join(SAMPLERS), help="which of " + ", ".join(SAMPLERS))
     ap.add_argument("--compile", action="store_true", help="also ddpmrepro with sample.compile: blocks")
     ap.add_argument("--graphs", action="store_true", help="also ddpmrepro with sample.cuda_graphs")
+    ap.add_argument("--channels-last", action="store_true",
+                    help="also ddpmrepro with sample.channels_last (and with graphs, with --graphs)")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                     help="also ddpmrepro with sample.precision at this dtype (and with graphs, with --graphs)")
     ap.add_argument("--out", type=Path, default=None)
@@ -105,6 +110,19 @@ def main() -> None:
         low = variants[f"ddpmrepro+{a.precision}"] = with_precision(model, a.precision, device)
         if a.graphs:
             variants[f"ddpmrepro+{a.precision}+graphs"] = GraphedNetwork(low, device)
+    if a.channels_last:  # sample.channels_last: an NHWC copy of the network, alone and as each graphed contender
+        import copy
+
+        from ddpmrepro.runtime.autocast_network import with_precision
+        from ddpmrepro.runtime.graphed_network import GraphedNetwork
+
+        nhwc = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        variants["ddpmrepro+cl"] = nhwc
+        if a.graphs:
+            variants["ddpmrepro+graphs+cl"] = GraphedNetwork(nhwc, device)
+            if a.precision != "fp32":
+                variants[f"ddpmrepro+{a.precision}+graphs+cl"] = GraphedNetwork(
+                    with_precision(nhwc, a.precision, device), device)
     results = {}
     for name in a.samplers.split(","):
         sampler, respacing = SAMPLERS[name]
@@ -179,6 +197,7 @@ def main() -> None:
     tag += "-compile" if a.compile else ""
     tag += "-graphs" if a.graphs else ""
     tag += f"-{a.precision}" if a.precision != "fp32" else ""
+    tag += "-cl" if a.channels_last else ""
     out = a.out or Path(f"benchmarks/results/sample_speed{tag}{'-quick' if a.quick else ''}-threads{result['threads']}.json")
     write_result(result, out)
 

@@ -27,6 +27,8 @@ at 1.0, one EMA):
                 backward replayed from a CUDA graph (on a CPU, the same code without capture);
                 `+graphs+compile` with compiled blocks inside the graph. Suffixes combine:
                 `ddpmrepro+is+graphs`.
+  ddpmrepro+cl, plain+cl  the model and its images in NHWC (`train.channels_last`; the plain loop
+                converts its model and each batch), the layout cuDNN's bf16 convolutions prefer.
 Timing: benchmarks/timing.py's paired rounds (each round one block of --steps steps of every
 contender in random order; ratios per round against `plain`). Target: ddpmrepro / plain step time
 <= 1.05. Writes benchmarks/results/train_step[-<device>-<preset>-<precision>]-threads<N>.json.
@@ -74,7 +76,8 @@ def architecture(a) -> dict:
 SAMPLER_OF_MODE = {"is": "loss-second-moment", "ogn": "output-grad-norm"}
 
 
-def bench_params(a, sampler: str, total_steps: int, compile: str = "none", cuda_graphs: bool = False) -> P.Params:
+def bench_params(a, sampler: str, total_steps: int, compile: str = "none", cuda_graphs: bool = False,
+                 channels_last: bool = False) -> P.Params:
     """ddpmrepro's params for the benchmark: default training recipe, introspection and checkpoints
     off, no lr warm-up (the plain loop has none), one dvclive log line per measured block.
 
@@ -89,7 +92,7 @@ def bench_params(a, sampler: str, total_steps: int, compile: str = "none", cuda_
         "train": {"steps": total_steps, "batch_per_proc": a.batch, "device": a.device, "precision": a.precision,
                   "timestep_sampler": sampler, "warmup_steps": 0, "log_every": a.steps,
                   "checkpoint_every": total_steps, "keep_checkpoints": 1, "compile": compile,
-                  "cuda_graphs": cuda_graphs,
+                  "cuda_graphs": cuda_graphs, "channels_last": channels_last,
                   "posthoc_ema_snapshots": 1},
         "introspect": {"every": 0, "steps": []},
     })
@@ -98,12 +101,13 @@ def bench_params(a, sampler: str, total_steps: int, compile: str = "none", cuda_
 def ddpmrepro_params(a, mode: str, total_steps: int) -> P.Params:
     """A ddpmrepro mode's params from its suffixes: `ddpmrepro+is+graphs+compile`."""
     flags = set(mode.split("+")[1:])
-    unknown = flags - {*SAMPLER_OF_MODE, "compile", "graphs"}
+    unknown = flags - {*SAMPLER_OF_MODE, "compile", "graphs", "cl"}
     if unknown:
         raise SystemExit(f"--modes: {mode!r} has unknown suffixes {sorted(unknown)}")
     samplers = [SAMPLER_OF_MODE[f] for f in flags if f in SAMPLER_OF_MODE]
     return bench_params(a, samplers[0] if samplers else "uniform", total_steps,
-                        compile="blocks" if "compile" in flags else "none", cuda_graphs="graphs" in flags)
+                        compile="blocks" if "compile" in flags else "none", cuda_graphs="graphs" in flags,
+                        channels_last="cl" in flags)
 
 
 class DdpmreproLoop:
@@ -185,12 +189,17 @@ class PlainLoop:
                                                 num_classes=self.num_classes, learn_sigma=False),
                     "diffusers": lambda: diffusers_unet(a, self.num_classes),
                     "improved-diffusion": lambda: improved_diffusion_unet(a, self.num_classes)}
-        self.model = builders[model.removesuffix("+compile")]().to(self.device).train()
-        if model.endswith("+compile"):
+        base, *flags = model.split("+")
+        if set(flags) - {"compile", "cl"}:
+            raise SystemExit(f"--modes: {model!r} has unknown suffixes {sorted(set(flags) - {'compile', 'cl'})}")
+        self.model = builders[base]().to(self.device).train()
+        self.layout = torch.channels_last if "cl" in flags else torch.contiguous_format
+        self.model.to(memory_format=self.layout)
+        if "compile" in flags:
             from ddpmrepro.runtime.compilation import compile_blocks
 
             compile_blocks(self.model)
-        self.diffusers = model == "diffusers"
+        self.diffusers = base == "diffusers"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
                                      **({"fused": True} if self.device.type == "cuda" else {"foreach": True}))
         self.resolve_params()
@@ -218,7 +227,7 @@ class PlainLoop:
     def step(self) -> None:
         B = self.a.batch
         idx = torch.randint(len(self.images), (B,), device=self.device)
-        x0 = to_model_range(self.images[idx])
+        x0 = to_model_range(self.images[idx]).contiguous(memory_format=self.layout)
         y = self.labels[idx]
         y = torch.where(torch.rand(B, device=self.device) < self.p.label_dropout, torch.full_like(y, self.num_classes), y)
         t = torch.randint(0, 1000, (B,), device=self.device)

@@ -154,16 +154,19 @@ def check_paired(t: dict, names: set, rounds: int, reference: str, threads: int)
 def test_train_step_benchmark_pairs_ddpmrepro_with_the_plain_loop(tmp_path):
     out = tmp_path / "train.json"
     run("train_step.py", "--batch", "8", "--steps", "2", "--warmup", "1", "--rounds", "6", "--threads", "1",
-        "--modes", "ddpmrepro,ddpmrepro+is,ddpmrepro+ogn,ddpmrepro+graphs,plain", "--out", str(out))
+        "--modes", "ddpmrepro,ddpmrepro+is,ddpmrepro+ogn,ddpmrepro+graphs,ddpmrepro+cl,plain,plain+cl",
+        "--out", str(out))
     r = json.loads(out.read_text())
-    names = {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn", "ddpmrepro+graphs", "plain"}
+    names = {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn", "ddpmrepro+graphs", "ddpmrepro+cl", "plain", "plain+cl"}
     check_paired(r["timing"], names, 6, "plain", threads=1)
     assert r["threads"] == 1 and r["params"]["plain"] == 457_761  # the default tiny UNet
     assert r["step_time_ratio_vs_plain"]["ddpmrepro"] == r["timing"]["ratio_wall"]["ddpmrepro"]
-    assert set(r["target"]["verdict"]) == {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn", "ddpmrepro+graphs"}
+    assert set(r["target"]["verdict"]) == {"ddpmrepro", "ddpmrepro+is", "ddpmrepro+ogn", "ddpmrepro+graphs",
+                                           "ddpmrepro+cl"}
+    assert r["timing"]["ratio_wall"]["plain+cl"]["median"] > 0  # the plain loop in NHWC: a contender, no target
     assert "--threads 1" in r["command"] and "--rounds 6" in r["command"]
     rows = table_rows(out)
-    assert len(rows) == 5 and f"{r['timing']['ratio_wall']['ddpmrepro']['median']:.3f} [" in rows[0]
+    assert len(rows) == 7 and f"{r['timing']['ratio_wall']['ddpmrepro']['median']:.3f} [" in rows[0]
 
 
 @pytest.mark.slow

@@ -293,17 +293,22 @@ def test_an_unconditional_upsampler_trains_samples_and_is_scored(trained, tmp_pa
 
 @pytest.mark.slow
 def test_an_upsampler_samples_in_bf16_near_its_fp32_images(trained, tmp_path):
-    """sample.precision reaches sample-superres: the images move by the network's rounding only."""
+    """sample.precision and sample.channels_last reach sample-superres: the images move by the
+    network's rounding only (NHWC: within one uint8 level)."""
     images = {}
-    for precision in ("fp32", "bf16"):
+    for name, sample in (("fp32", {}), ("bf16", {"precision": "bf16"}), ("nhwc", {"channels_last": True})):
         raw = yaml.safe_load((trained / "params.yaml").read_text())
-        raw["sample"]["precision"] = precision
-        (tmp_path / f"{precision}.yaml").write_text(yaml.safe_dump(raw))
-        cli("sample-superres", "--params", str(tmp_path / f"{precision}.yaml"), "--model", str(trained / "model"),
-            "--data", str(trained / "data"), "--out", str(tmp_path / precision))
-        with np.load(tmp_path / precision / "samples.npz") as z:
-            images[precision] = z["images"].astype(int)
+        raw["sample"].update(sample)
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        cli("sample-superres", "--params", str(tmp_path / f"{name}.yaml"), "--model", str(trained / "model"),
+            "--data", str(trained / "data"), "--out", str(tmp_path / name))
+        with np.load(tmp_path / name / "samples.npz") as z:
+            images[name] = z["images"].astype(int)
+        assert yaml.safe_load((tmp_path / name / "params.yaml").read_text())["sample"]["channels_last"] == (name == "nhwc")
     diff = np.abs(images["bf16"] - images["fp32"])
     print(f"bf16 upsampling against fp32: mean uint8 difference {diff.mean():.3f}, max {diff.max()}, "
           f"equal {(diff == 0).mean():.3f}")
     assert diff.max() > 0 and diff.mean() < 2.0
+    nhwc = np.abs(images["nhwc"] - images["fp32"])
+    print(f"NHWC upsampling against NCHW: mean uint8 difference {nhwc.mean():.4f}, max {nhwc.max()}")
+    assert nhwc.max() <= 1

@@ -222,6 +222,11 @@ class TrainParams:
                                       "the gradients are all-reduced after the backward instead of by DDP during "
                                       "it. On a CPU the same code runs without capture. Part of the run hash when "
                                       "on.")
+    channels_last: bool = _f(False, doc="The model's weights and each microbatch's images in the NHWC layout "
+                                        "(`torch.channels_last`), which cuDNN's bf16/fp16 convolutions run "
+                                        "without transposes; on a CPU it was slower (docs/BENCHMARKS.md). Changes "
+                                        "the last bits of the run, not what it learns; exported weights are "
+                                        "stored in the usual layout. Part of the run hash when on.")
     timestep_sampler: str = _f("loss-second-moment",
                                choices=("uniform", "loss-second-moment", "grad-norm", "output-grad-norm"),
                                doc="IDDPM's importance sampling: p_t proportional to sqrt(E[L_t^2]) over the "
@@ -350,6 +355,9 @@ class SampleParams:
                                       "sampler's arithmetic stays eager): one launch per network call instead of "
                                       "hundreds (docs/SAMPLERS.md, CUDA graphs). On a CPU the same code runs "
                                       "without capture.")
+    channels_last: bool = _f(False, doc="The network's weights in the NHWC layout (`torch.channels_last`), "
+                                        "which cuDNN's bf16/fp16 convolutions run without transposes. Moves the "
+                                        "images' last bits, not beyond a uint8 level (docs/SAMPLERS.md).")
     precision: str = _f("fp32", choices=("fp32", "bf16", "fp16"),
                         doc="The network's forward in this dtype (autocast; the guidance and the solver stay "
                             "float32): a GPU's tensor cores run bf16/fp16 at a multiple of float32's rate. "

@@ -104,6 +104,8 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, trained, config = load_model(model_dir, params.sample.ema_rate, device,
                                          ema_length=params.sample.ema_length, ema_step=params.sample.ema_step)
+    if params.sample.channels_last:  # NHWC weights, as `sample` (cuDNN's preferred layout)
+        model.to(memory_format=torch.channels_last)
     model = with_precision(model, params.sample.precision, device)
     side = trained.superres.low_res
     if not side:

@@ -250,16 +250,19 @@ class Microbatch:
     cond: dict
     x0: torch.Tensor | None = None
 
-    def to(self, device: torch.device) -> "Microbatch":
-        """On `device`, `x0` made there from the uint8 rows (the same float32 values as on the host)."""
+    def to(self, device: torch.device, layout: torch.memory_format = torch.contiguous_format) -> "Microbatch":
+        """On `device`, `x0` made there from the uint8 rows (the same float32 values as on the host);
+        the images (`x0`, the noise, an upsampler's low-res input) in `layout` (train.channels_last)."""
         tensors = {"rows": self.rows, "y": self.y, "t": self.t, "weights": self.weights, "noise": self.noise,
                    **({"flip": self.flip} if self.flip is not None else {}), **self.cond}
         if device.type == "cuda":  # pinned host memory: the copies do not block the host (most are pinned already)
             tensors = {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
         moved = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
         rows, flip = moved.pop("rows"), moved.pop("flip", None)
-        return Microbatch(rows, flip, *(moved.pop(k) for k in ("y", "t", "weights", "noise")), cond=moved,
-                          x0=images_in_model_range(rows, flip))
+        if layout != torch.contiguous_format:  # the same values, strided as the weights are
+            moved = {k: v.contiguous(memory_format=layout) if v.dim() == 4 else v for k, v in moved.items()}
+        x0 = images_in_model_range(rows, flip).contiguous(memory_format=layout)
+        return Microbatch(rows, flip, *(moved.pop(k) for k in ("y", "t", "weights", "noise")), cond=moved, x0=x0)
 
 
 def images_in_model_range(rows: torch.Tensor, flip: torch.Tensor | None) -> torch.Tensor:

@@ -64,10 +64,13 @@ class FlatGradients:
         if len(kinds) != 1:
             raise RuntimeError(f"train.cuda_graphs: one flat gradient buffer needs parameters of one dtype and "
                                f"device; this model has {sorted(map(str, kinds))}")
-        self.flat = torch.cat([p.grad.reshape(-1) for p in used])
+        self.flat = torch.empty(sum(p.numel() for p in used), dtype=used[0].dtype, device=used[0].device)
         offset = 0
         for p in used:
-            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            # Strided as the parameter is (train.channels_last: NHWC), as autograd lays out a new gradient.
+            view = self.flat.as_strided(p.shape, p.stride(), offset)
+            view.copy_(p.grad)
+            p.grad = view
             offset += p.numel()
 
     @torch.no_grad()

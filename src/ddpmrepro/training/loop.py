@@ -82,6 +82,8 @@ def run_hash(params: Params, data_digest: str) -> str:
         del train["compile"]
     if not train["cuda_graphs"]:  # its all-reduce is not DDP's; runs from before the option keep their hash
         del train["cuda_graphs"]
+    if not train["channels_last"]:  # convolutions in NHWC round differently; earlier runs keep their hash
+        del train["channels_last"]
     # The snapshots' dtype changes the run directory's files (not the weights): a run resumed or
     # re-exported with another would mix them. fp32 is what runs before the option wrote.
     if train["posthoc_ema_dtype"] == "fp32" or not train["posthoc_ema"]:
@@ -166,6 +168,10 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     shape = dict(image_size=manifest["image_size"], in_channels=manifest["channels"], num_classes=num_classes,
                  learn_sigma=params.diffusion.variance == "learned_range")
     raw_model = (build_superres(params.model, sr, **shape) if sr.low_res else build_unet(params.model, **shape)).to(device)
+    # NHWC before the optimizer, the EMAs and the checkpoint load: their tensors take the weights' layout.
+    layout = torch.channels_last if p.channels_last else torch.contiguous_format
+    if p.channels_last:
+        raw_model.to(memory_format=layout)
     # One fused kernel per step on GPUs; the multi-tensor (foreach) path elsewhere.
     opt = torch.optim.AdamW(raw_model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
                             **({"fused": True} if device.type == "cuda" else {"foreach": True}))
@@ -265,7 +271,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Accumulate gradients over microbatches; only the last one all-reduces.
                 for micro in range(p.grad_accum):
                     sampler_updates.flush()
-                    mb = examples.microbatch(batches.get(step * p.grad_accum + micro), sampler).to(device)
+                    mb = examples.microbatch(batches.get(step * p.grad_accum + micro), sampler).to(device, layout)
                     sync = contextlib.nullcontext() if (micro == p.grad_accum - 1 or model is raw_model) \
                         else model.no_sync()
                     with sync:  # recorded steps eagerly: their hooks and extra passes are host work
