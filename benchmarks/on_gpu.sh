@@ -43,8 +43,12 @@ part() {  # part SECONDS NAME COMMAND...: runs COMMAND under a time limit, logs 
     timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
     echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG"
 }
+# The card, its driver and torch; and whether this torch's CUDA GroupNorm keeps NHWC (train.channels_last): at the source read on 2026-11-28 it
+# returned NCHW whatever its input, so that eager NHWC pays transposes around every GroupNorm (docs/TRAINING.md).
 part 30 environment bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
-    $PY -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
+    $PY -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
+    $PY -c 'import torch; x = torch.randn(2, 64, 8, 8, device=\"cuda\").to(memory_format=torch.channels_last); \
+print(\"GroupNorm keeps NHWC on CUDA:\", torch.nn.functional.group_norm(x, 32).is_contiguous(memory_format=torch.channels_last))'"
 # The `gpu` tests: train.cuda_graphs captured (bf16 and fp16 against eager; killed and resumed to the same
 # bits), no host sync in a step's draws and losses. -rA prints each test's outcome and its printed differences.
 part 150 cuda-tests $PY -m pytest -q -rA -s -p no:cacheprovider -m gpu tests
