@@ -203,3 +203,24 @@ def test_channels_last_sampling_moves_no_image_by_more_than_a_level(tmp_path, pr
     print(f"channels_last: mean uint8 difference {diff.mean():.4f}, max {diff.max()}")
     assert base.std() > 0 and diff.max() <= 1
     assert np.array_equal(images[True, True], images[True, False])
+
+
+@pytest.mark.gpu
+def test_a_captured_channels_last_run_trains_as_the_eager_one_on_a_card(tmp_path, prepared, monkeypatch):
+    """train.cuda_graphs with NHWC weights on a card (static NHWC buffers, the strided flat gradients
+    written by the replays), bf16: the logged loss and gradient norm of every window within 2% of
+    the eager NHWC run's (as tests/test_cuda_graphs.py asks of NCHW); every weight NHWC and finite.
+    The layouts the convolutions saw are printed (CUDA's GroupNorm may hand them NCHW inputs)."""
+    cfg = {"device": "cuda", "precision": "bf16", "channels_last": True}
+    eager = train(tmp_path / "eager", prepared, params(train=cfg))
+    layouts = ConvLayouts(monkeypatch)
+    graphed = train(tmp_path / "graphed", prepared, params(train={**cfg, "cuda_graphs": True}))
+    print(f"layouts the convolutions saw (graphed run): {layouts.seen}")
+    assert not {k: v for k, v in layouts.other_than("nhwc").items() if k[0] == "weight"}
+    for series in ("loss", "grad_norm"):
+        x, y = (pd.read_csv(run / "l" / "plots" / "metrics" / f"{series}.tsv", sep="\t") for run in (eager, graphed))
+        assert x["step"].tolist() == y["step"].tolist() == [2, 4, 6, 8]
+        rel = ((x[series] - y[series]).abs() / x[series].abs()).max()
+        print(f"NHWC bf16: {series} per window, graphed against eager, largest relative difference {rel:.3g}")
+        assert rel < 2e-2, (series, x[series].tolist(), y[series].tolist())
+    assert all(torch.isfinite(v).all() for v in load_weights(graphed / "m" / "model.safetensors").values())
