@@ -141,6 +141,25 @@ def test_a_channels_last_run_stopped_and_resumed_equals_it_uninterrupted(tmp_pat
     assert not [k for k in straight if straight[k] != resumed[k]]
 
 
+def test_every_instrument_measures_the_same_first_step_in_nhwc(tmp_path, prepared, one_thread):
+    """The activation-gradient dumps, histograms, noise-level buckets and output-grad-norm's hooks
+    on NHWC tensors: the first step's dumped activation gradients are the NCHW run's to 1e-5 of their
+    norm, stored in the usual layout."""
+    instruments = {"introspect": {"every": 3, "steps": [1], "noise_buckets": 2, "histogram_bins": 8,
+                                  "dump_steps": [1], "dump_modules": ["input_blocks.1", "middle_block", "out"]}}
+    dumps = {}
+    for name, nhwc in (("nchw", False), ("nhwc", True)):
+        run = train(tmp_path / name, prepared, with_train(instruments, channels_last=nhwc,
+                                                          timestep_sampler="output-grad-norm"))
+        (dump,) = sorted((run / "i" / "dumps").glob("step-*1.safetensors"))
+        dumps[name] = load_weights(dump)
+    assert sorted(dumps["nchw"]) == sorted(dumps["nhwc"]) and dumps["nchw"]
+    for key, a in dumps["nchw"].items():
+        b = dumps["nhwc"][key]
+        assert b.shape == a.shape and b.is_contiguous(), key
+        assert float((a - b).norm()) <= 1e-5 * float(a.norm()), key
+
+
 def test_the_option_is_in_the_run_hash_only_when_on():
     off, on = params(), params(train={"channels_last": True})
     assert T.run_hash(off, "d") != T.run_hash(on, "d")
