@@ -258,10 +258,10 @@ class Microbatch:
         if device.type == "cuda":  # pinned host memory: the copies do not block the host (most are pinned already)
             tensors = {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
         moved = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
-        rows, flip = moved.pop("rows"), moved.pop("flip", None)
-        if layout != torch.contiguous_format:  # the same values, strided as the weights are
+        if layout != torch.contiguous_format:  # the same values, strided as the weights are (the rows as uint8: 4x fewer bytes)
             moved = {k: v.contiguous(memory_format=layout) if v.dim() == 4 else v for k, v in moved.items()}
-        x0 = images_in_model_range(rows, flip).contiguous(memory_format=layout)
+        rows, flip = moved.pop("rows"), moved.pop("flip", None)
+        x0 = images_in_model_range(rows, flip).contiguous(memory_format=layout)  # no copy: elementwise keeps the rows' layout
         return Microbatch(rows, flip, *(moved.pop(k) for k in ("y", "t", "weights", "noise")), cond=moved, x0=x0)
 
 
