@@ -24,6 +24,7 @@ from ..params import Params, ParamsError, SampleParams
 from ..runtime import compilation
 from ..runtime import distributed as D
 from ..runtime.autocast_network import with_precision
+from ..runtime.memory_layout import memory_layout
 from ..runtime.graphed_network import GraphedNetwork
 
 
@@ -98,8 +99,7 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     rank, world = D.rank(), D.world_size()
     model, trained, config = load_model(model_dir, p.ema_rate, device, ema_length=p.ema_length,
                                          ema_step=p.ema_step)
-    if p.channels_last:  # NHWC weights: cuDNN then runs each convolution, and lays out its output, in NHWC
-        model.to(memory_format=torch.channels_last)
+    memory_layout(model, p.channels_last)  # NHWC weights: each convolution lays out its output as its weight is
     compiler(model)  # the network is called nfe times per batch: its blocks compiled once
     model = with_precision(model, p.precision, device)  # bf16/fp16 forwards; the solver in float32
     if p.cuda_graphs:  # and replayed from a CUDA graph per batch shape (the solver's arithmetic stays eager)

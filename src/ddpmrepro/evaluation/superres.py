@@ -32,6 +32,7 @@ from ..model.superres import augment, bicubic_upsample, downsample, project
 from ..model_dir import load_model
 from ..params import Params, ParamsError
 from ..runtime.autocast_network import with_precision
+from ..runtime.memory_layout import memory_layout
 from .sample import bind_labels, check_guidance, image_seed, process, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
@@ -104,8 +105,7 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, trained, config = load_model(model_dir, params.sample.ema_rate, device,
                                          ema_length=params.sample.ema_length, ema_step=params.sample.ema_step)
-    if params.sample.channels_last:  # NHWC weights, as `sample` (cuDNN's preferred layout)
-        model.to(memory_format=torch.channels_last)
+    memory_layout(model, params.sample.channels_last)  # NHWC weights, as in `sample`
     model = with_precision(model, params.sample.precision, device)
     side = trained.superres.low_res
     if not side:

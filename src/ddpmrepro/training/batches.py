@@ -261,7 +261,7 @@ class Microbatch:
         if layout != torch.contiguous_format:  # the same values, strided as the weights are (the rows as uint8: 4x fewer bytes)
             moved = {k: v.contiguous(memory_format=layout) if v.dim() == 4 else v for k, v in moved.items()}
         rows, flip = moved.pop("rows"), moved.pop("flip", None)
-        x0 = images_in_model_range(rows, flip).contiguous(memory_format=layout)  # no copy: elementwise keeps the rows' layout
+        x0 = images_in_model_range(rows, flip)  # elementwise: in the rows' layout
         return Microbatch(rows, flip, *(moved.pop(k) for k in ("y", "t", "weights", "noise")), cond=moved, x0=x0)
 
 

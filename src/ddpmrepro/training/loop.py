@@ -36,6 +36,7 @@ from ..params import Params, ParamsError
 from ..runtime import compilation
 from ..runtime import distributed as D
 from ..runtime.autocast_network import with_precision
+from ..runtime.memory_layout import memory_layout
 from . import checkpoint as ckpt
 from .batches import TrainBatches, TrainExamples, step_seed
 from .code_version import code_version
@@ -168,10 +169,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     shape = dict(image_size=manifest["image_size"], in_channels=manifest["channels"], num_classes=num_classes,
                  learn_sigma=params.diffusion.variance == "learned_range")
     raw_model = (build_superres(params.model, sr, **shape) if sr.low_res else build_unet(params.model, **shape)).to(device)
-    # NHWC before the optimizer, the EMAs and the checkpoint load: their tensors take the weights' layout.
-    layout = torch.channels_last if p.channels_last else torch.contiguous_format
-    if p.channels_last:
-        raw_model.to(memory_format=layout)
+    layout = memory_layout(raw_model, p.channels_last)  # NHWC before the optimizer, the EMAs and the checkpoint load
     # One fused kernel per step on GPUs; the multi-tensor (foreach) path elsewhere.
     opt = torch.optim.AdamW(raw_model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
                             **({"fused": True} if device.type == "cuda" else {"foreach": True}))
