@@ -2,9 +2,9 @@
 in NHWC (`torch.channels_last`), the layout NVIDIA's tensor-core convolutions work in.
 
 A layout is strides, not values: the same numbers, the convolutions computed by kernels that round
-differently (docs/TRAINING.md, Memory layout). Each convolution lays out its output as its weight
-is, so the layers after the first follow the weights; training also hands the loss its images in
-the layout (`Microbatch.to`), so that nothing in the step converts back. Module.to converts the
+differently (docs/TRAINING.md, Memory layout). A convolution with NHWC weights lays out its output
+in NHWC and the elementwise layers after it keep that (GroupNorm on a card does not: the same
+section); training also hands the network and the loss its images in the layout (`Microbatch.to`). Module.to converts the
 4-d tensors in place, keeping their identity: call it before anything holds copies of the weights
 (the optimizer's state, the EMAs) or loads into them, and those take the layout too.
 """
