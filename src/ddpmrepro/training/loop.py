@@ -60,6 +60,12 @@ log = logging.getLogger("ddpmrepro.training.loop")
 OPERATIONAL_TRAIN_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every", "on_nonfinite", "max_restarts")
 
 
+# Keys that change the run's last bits, not what it learns, added after runs existed: hashed only when
+# not at this value (what every earlier run did), so those runs keep their hash. Compiled kernels and
+# NHWC convolutions round differently; train.cuda_graphs' all-reduce is not DDP's.
+HASHED_ONLY_WHEN_ON = {"compile": "none", "cuda_graphs": False, "channels_last": False}
+
+
 # The superres keys that change what an upsampler learns (the others are read by sampling only).
 SUPERRES_TRAIN_KEYS = ("low_res", "quantise", "noise_aug")
 
@@ -78,13 +84,8 @@ def run_hash(params: Params, data_digest: str) -> str:
     import hashlib
 
     d = params.to_dict()
-    train = {k: v for k, v in d["train"].items() if k not in OPERATIONAL_TRAIN_KEYS}
-    if train["compile"] == "none":  # compiled kernels round differently; runs from before the option keep their hash
-        del train["compile"]
-    if not train["cuda_graphs"]:  # its all-reduce is not DDP's; runs from before the option keep their hash
-        del train["cuda_graphs"]
-    if not train["channels_last"]:  # convolutions in NHWC round differently; earlier runs keep their hash
-        del train["channels_last"]
+    train = {k: v for k, v in d["train"].items()
+             if k not in OPERATIONAL_TRAIN_KEYS and (k not in HASHED_ONLY_WHEN_ON or v != HASHED_ONLY_WHEN_ON[k])}
     # The snapshots' dtype changes the run directory's files (not the weights): a run resumed or
     # re-exported with another would mix them. fp32 is what runs before the option wrote.
     if train["posthoc_ema_dtype"] == "fp32" or not train["posthoc_ema"]:
