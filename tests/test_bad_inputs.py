@@ -128,9 +128,10 @@ PARAMS_CASES = list(_params_cases())
 def outputs(tmp_path, monkeypatch) -> Path:
     """A working directory holding an earlier output of every stage."""
     monkeypatch.chdir(tmp_path)
-    for rel in ("data/train-00000.images.npy", "data/manifest.json", "evaluator/model.safetensors", "model/model.safetensors",
-                "model/config.json", "live/metrics.json", "introspect/steps.tsv", "ckpt/a/b/step_000000001.pt",
-                "samples/samples.npz", "metrics.json", "figures/loss.png"):
+    for rel in ("data/train-00000.images.npy", "data/manifest.json", "evaluator/model.safetensors",
+                "evaluator/config.json", "evaluator/metrics.json", "model/model.safetensors", "model/config.json",
+                "model/SHA256SUMS", "live/metrics.json", "live/plots/metrics/loss.tsv", "introspect/steps.tsv",
+                "ckpt/a/b/step_000000001.pt", "samples/samples.npz", "metrics.json", "figures/loss.png"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(f"earlier {rel}".encode())
     return tmp_path
@@ -554,6 +555,37 @@ def test_a_file_where_an_output_directory_belongs_is_one_line(trainable, stage, 
     result = cli(stage, "--params", "params.yaml", *with_option(stage, option, "metrics.json"))
     assert_one_line_error(result, 1, f"Error: {option} metrics.json: is a file; a directory is needed")
     assert snapshot(trainable) == before
+
+
+# The options whose directory a stage replaces whole (the others write files into theirs).
+REPLACED_DIRS = [(s, o) for s, o in OUTPUT_OPTIONS if (s, o) not in {("train", "--checkpoints"), ("evaluate", "--out"),
+                                                                     ("report", "--out")}]
+
+
+@pytest.mark.parametrize("stage, option", REPLACED_DIRS)
+def test_an_output_option_at_a_directory_it_would_destroy_is_one_line_before_any_work(trainable, stage, option):
+    """A stage replaces its output directory whole, deleting the old one: `export --out .` once
+    deleted the project, `sample --out model` the trained model. Refused, before any work, for a
+    folder of other files, for the working directory, and for another stage's output."""
+    (trainable / "thesis").mkdir()
+    (trainable / "thesis" / "chapter1.tex").write_text("years of work")
+    before = snapshot(trainable)
+    result = cli(stage, "--params", "params.yaml", *with_option(stage, option, "thesis"))
+    assert_one_line_error(result, 1, f"Error: {option} thesis: is not empty and is not a ",
+                          "name a new or empty directory, or remove this one first")
+    result = cli(stage, "--params", "params.yaml", *with_option(stage, option, "."))
+    assert_one_line_error(result, 1, f"Error: {option} .: is the working directory; ")
+    other = "model" if (stage, option) != ("train", "--out") else "samples"
+    result = cli(stage, "--params", "params.yaml", *with_option(stage, option, other))
+    assert_one_line_error(result, 1, f"Error: {option} {other}: is not empty and is not a ")
+    assert snapshot(trainable) == before  # nothing trained, sampled or written
+
+
+def test_an_empty_directory_or_an_earlier_output_of_the_kind_is_replaced(trainable):
+    (trainable / "empty").mkdir()
+    assert cli("prepare", "--params", "params.yaml", "--out", "empty").exit_code == 0
+    assert (trainable / "empty" / "manifest.json").is_file()
+    assert cli("prepare", "--params", "params.yaml", "--out", "empty").exit_code == 0  # now a prepared dataset
 
 
 def run_with_tmpfs(root: Path, mnt: Path, options: str, commands: list[list[str]]) -> list[subprocess.CompletedProcess]:

@@ -18,10 +18,12 @@ import torch
 from safetensors.torch import save_file
 
 from ddpmrepro import files as F
+from ddpmrepro.outputs import OutputKind, OutputRefused
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 OLD = {"a.txt": b"old a", "sub/c.txt": b"old c" * 1000, "b.bin": b"\x00old"}
 NEW = {"a.txt": b"new a", "d.txt": b"new d", "sub/e/f.txt": b"new f" * 999}
+KIND = OutputKind("test output", (frozenset({"a.txt"}),))  # what both trees are
 
 
 def make(root: Path, tree: dict[str, bytes]) -> Path:
@@ -44,6 +46,7 @@ def siblings(dst: Path) -> list[str]:
 CHILD = r"""
 import os, signal, sys
 from ddpmrepro import files as F
+from ddpmrepro.outputs import OutputKind, OutputRefused
 
 path, when, n, src, dst = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 calls = []
@@ -92,7 +95,7 @@ def test_a_kill_at_the_exchange_leaves_the_complete_old_or_new_dir(tmp_path, whe
     # No recovery step: the directory a reader opens is whole at every instant.
     assert read(dst) == (OLD if when == "before" else NEW)
     # The next write cleans up whatever the kill left beside it.
-    with F.replacing_dir(dst) as tmp:
+    with F.replacing_dir(dst, KIND) as tmp:
         make(tmp, NEW)
     assert read(dst) == NEW and siblings(dst) == ["out"]
 
@@ -112,7 +115,7 @@ def test_a_kill_in_the_fallback_swap_is_recovered(tmp_path, when, n, expected, m
     assert dst.exists() is not missing_until_recovered
     F.recover_dir(dst)  # what every writer, and the model directory's reader, calls first
     assert read(dst) == expected
-    with F.replacing_dir(dst) as tmp:
+    with F.replacing_dir(dst, KIND) as tmp:
         make(tmp, NEW)
     assert read(dst) == NEW and siblings(dst) == ["out"]
 
@@ -120,34 +123,84 @@ def test_a_kill_in_the_fallback_swap_is_recovered(tmp_path, when, n, expected, m
 def test_the_fallback_swap_without_a_kill(tmp_path, monkeypatch):
     dst = make(tmp_path / "out", OLD)
     monkeypatch.setattr(F, "_exchange", lambda a, b: False)
-    with F.replacing_dir(dst) as tmp:
+    with F.replacing_dir(dst, KIND) as tmp:
         make(tmp, NEW)
     assert read(dst) == NEW and siblings(dst) == ["out"]
 
 
 def test_replacing_dir_creates_replaces_and_leaves_dst_alone_on_error(tmp_path):
     dst = tmp_path / "deep" / "out"
-    with F.replacing_dir(dst) as tmp:
+    with F.replacing_dir(dst, KIND) as tmp:
         assert tmp == tmp_path / "deep" / ".out.tmp" and not any(tmp.iterdir())
         make(tmp, OLD)
     assert read(dst) == OLD
     with pytest.raises(RuntimeError, match="half way"):
-        with F.replacing_dir(dst) as tmp:
+        with F.replacing_dir(dst, KIND) as tmp:
             make(tmp, NEW)
             raise RuntimeError("half way")
     assert read(dst) == OLD and siblings(dst) == ["out"]
     (tmp_path / "deep" / ".out.tmp").mkdir()  # a killed writer's leftover
     make(tmp_path / "deep" / ".out.tmp", {"stale": b"x"})
-    with F.replacing_dir(dst) as tmp:
+    with F.replacing_dir(dst, KIND) as tmp:
         make(tmp, NEW)
     assert read(dst) == NEW and siblings(dst) == ["out"]
 
 
 def test_copy_dir_keeps_its_source(tmp_path):
     src, dst = make(tmp_path / "work", NEW), make(tmp_path / "out", OLD)
-    F.copy_dir(src, dst)
+    F.copy_dir(src, dst, KIND)
     assert read(dst) == NEW == read(src)
 
+
+def test_replacing_dir_refuses_a_directory_of_another_kind_before_the_block_runs(tmp_path, monkeypatch):
+    """Replacing deletes the old directory: only a missing, empty or same-kind one may go. A folder
+    of someone's files, the working directory and the ones above it stay, whole."""
+    theirs = make(tmp_path / "thesis", {"chapter1.tex": b"years of work"})
+    ran = []
+    with pytest.raises(OutputRefused, match=r"thesis: is not empty and is not a test output \(it has no a.txt\)"):
+        with F.replacing_dir(theirs, KIND):
+            ran.append(1)
+    assert not ran and read(theirs) == {"chapter1.tex": b"years of work"} and siblings(theirs) == ["thesis"]
+
+    project = make(tmp_path / "project", {"a.txt": b"looks like an output", "params.yaml": b"x"})
+    monkeypatch.chdir(project)
+    with pytest.raises(OutputRefused, match="is the working directory or one above it"):
+        F.copy_dir(theirs, tmp_path, KIND)
+    with pytest.raises(OutputRefused, match="is the working directory; "):
+        F.copy_dir(theirs, Path("."), KIND)  # even one its kind recognises
+    assert read(project) == {"a.txt": b"looks like an output", "params.yaml": b"x"}
+
+    (tmp_path / "empty").mkdir()
+    F.copy_dir(theirs, tmp_path / "empty", KIND)  # empty: nothing to lose
+    assert read(tmp_path / "empty") == read(theirs)
+    (tmp_path / "a_file").write_bytes(b"x")
+    with pytest.raises(OutputRefused, match="a_file: is a file"):
+        F.copy_dir(theirs, tmp_path / "a_file", KIND)
+
+
+def test_each_output_kind_recognises_what_its_writer_leaves_and_no_other_kind_does():
+    """The signatures against the directory listings of a real run (`make repro`'s outputs, as in
+    the README's table): each kind recognises its own and none of the others, so no stage can
+    replace another stage's output."""
+    from ddpmrepro import outputs
+
+    listings = {
+        outputs.PREPARED: ["manifest.json", "test-00000.images.npy", "test-00000.labels.npy",
+                           "train-00000.images.npy", "train-00000.labels.npy"],
+        outputs.EVALUATOR: ["config.json", "metrics.json", "model.safetensors"],
+        outputs.MODEL: ["SHA256SUMS", "config.json", "ema_0.999.safetensors", "model.safetensors", "phema"],
+        outputs.TRAIN_LOG: ["metrics.json", "plots"],
+        outputs.INTROSPECTION: ["act_grads", "loss_weight", "noise_levels", "param_grads", "steps", "steps.tsv"],
+        outputs.SAMPLES: ["grid.png", "params.yaml", "samples.npz", "sampling.json"],
+        outputs.DIFFUSERS: ["model_index.json", "scheduler", "unet"],
+    }
+    for kind, names in listings.items():
+        assert [k.name for k in listings if k.recognises(names)] == [kind.name]
+    # an imported model (no model.safetensors) and a run without introspection steps
+    assert outputs.MODEL.recognises(["SHA256SUMS", "config.json", "ema_0.9999.safetensors"])
+    assert outputs.INTROSPECTION.recognises(["steps.tsv"])
+    project = ["Makefile", "README.md", "dvc.yaml", "params.yaml", "data", "models", "reports", "src"]
+    assert not any(kind.recognises(project) for kind in listings)
 
 def test_replace_dir_fsyncs_the_new_files_and_the_parent_before_the_swap(tmp_path, monkeypatch):
     dst, src = make(tmp_path / "out", OLD), make(tmp_path / ".out.tmp", NEW)

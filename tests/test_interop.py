@@ -379,6 +379,28 @@ def test_diffusers_folder_imports_and_exports_back_bitwise(tiny_model_dir, tmp_p
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_export_and_import_refuse_an_out_they_would_destroy_and_replace_their_own(tiny_model_dir, monkeypatch):
+    """`export --out models/ddpm` once replaced the trained model with the export, `export --out .`
+    deleted the project and `import --out data` the data it had just read, each with exit 0. Now
+    each is one line and nothing changes; an earlier export or import is replaced as before."""
+    monkeypatch.chdir(tiny_model_dir)
+    assert cli("import", "src", "--format", "diffusers", "--out", "models/tiny", "--data", "data").exit_code == 0
+    before = {p: p.read_bytes() for p in sorted(tiny_model_dir.rglob("*")) if p.is_file()}
+    one_line_error(cli("export", "--format", "diffusers", "--model", "models/tiny", "--out", "models/tiny"),
+                   "--out models/tiny: is not empty and is not a diffusers pipeline folder (export) "
+                   "(it has no model_index.json)")
+    one_line_error(cli("export", "--format", "diffusers", "--model", "models/tiny", "--out", "."),
+                   "--out .: is the working directory; ")
+    one_line_error(cli("import", "src", "--format", "diffusers", "--out", "data", "--data", "data"),
+                   "--out data: is not empty and is not a model directory (train, import) "
+                   "(it has no SHA256SUMS + config.json)")
+    assert {p: p.read_bytes() for p in sorted(tiny_model_dir.rglob("*")) if p.is_file()} == before
+    for _ in range(2):  # into a new folder, then over the export it made
+        assert cli("export", "--format", "diffusers", "--model", "models/tiny", "--out", "out").exit_code == 0
+        assert cli("import", "out/unet", "--format", "diffusers", "--out", "models/tiny", "--data", "data").exit_code == 0
+    assert (tiny_model_dir / "out" / "model_index.json").is_file()
+
+
 def _good_config(tiny_model_dir) -> dict:
     return json.loads((tiny_model_dir / "src" / "config.json").read_text())
 

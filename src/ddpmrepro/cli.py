@@ -15,7 +15,9 @@ from pathlib import Path
 
 import click
 
+from . import outputs
 from . import params as P
+from .outputs import OutputKind, replace_refusal
 
 PARAMS_OPTION = click.option("-p", "--params", "params_path", default="params.yaml", show_default=True,
                              type=click.Path(dir_okay=False, path_type=Path), help="The params file to read.")
@@ -80,9 +82,11 @@ def user_errors(fn):
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)
 
 
-def writes(**outputs: str):
-    """Declares a command's output options (parameter name -> "dir" or "file") and checks, before
-    the command does any work, that each can be written: otherwise one line naming the option."""
+def writes(**outputs: str | OutputKind):
+    """Declares a command's output options (parameter name -> "file", "dir" (written into) or the
+    OutputKind of a directory replaced whole) and checks, before the command does any work, that
+    each can be written, and that replacing a directory destroys nothing but an earlier output of
+    its kind: otherwise one line naming the option."""
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -103,14 +107,20 @@ def writes(**outputs: str):
     return decorate
 
 
-def output_problem(path: Path, kind: str) -> str | None:
-    """Why `path` cannot be written as a `kind` output ("dir": a directory, written into or replaced
-    through a temp sibling; "file": replaced through a temp sibling), or None.
+def output_problem(path: Path, kind: str | OutputKind) -> str | None:
+    """Why `path` cannot be written as a `kind` output ("dir": a directory written into; an
+    OutputKind: a directory replaced whole through a temp sibling, which must be missing, empty or
+    of that kind; "file": replaced through a temp sibling), or None.
 
     Leaves nothing behind: the directory that would receive the writes (the output directory
     itself, else its nearest existing ancestor) is probed by creating and removing a temp file,
     because permission bits say nothing about a read-only mount, and nothing at all to root.
     """
+    if isinstance(kind, OutputKind):
+        problem = replace_refusal(path, kind)
+        if problem:
+            return problem
+        kind = "dir"
     if path.is_dir():
         return "is a directory; a file path is needed" if kind == "file" else _probe(path)
     if kind == "dir" and (path.exists() or path.is_symlink()):
@@ -185,7 +195,7 @@ def check_params(params_path: Path, out: Path, data_dir: Path) -> None:
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Image-folder decode processes [default: the CPUs this job may use]; never changes the output.")
 @user_errors
-@writes(out="dir")
+@writes(out=outputs.PREPARED)
 def prepare(params_path: Path, out: Path, workers: int | None) -> None:
     """Turn the dataset into the versioned training format.
 
@@ -208,7 +218,7 @@ def prepare(params_path: Path, out: Path, workers: int | None) -> None:
 @click.option("--data", "data_dir", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
 @click.option("--out", default="models/evaluator", show_default=True, type=click.Path(path_type=Path))
 @user_errors
-@writes(out="dir")
+@writes(out=outputs.EVALUATOR)
 def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
     """Train the evaluator classifier on the real training split.
 
@@ -247,7 +257,7 @@ def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
 @click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank, 0 to NNODES-1.")
 @click.option("--rdzv", default=None, metavar="HOST:PORT", help="Node 0's address and a free port on it.")
 @user_errors
-@writes(out="dir", live_dir="dir", introspect_dir="dir", checkpoint_root="dir")
+@writes(out=outputs.MODEL, live_dir=outputs.TRAIN_LOG, introspect_dir=outputs.INTROSPECTION, checkpoint_root="dir")
 def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspect_dir: Path,
           checkpoint_root: Path, nproc: int | None, restart: bool, max_restarts: int | None, nnodes: int,
           node_rank: int | None, rdzv: str | None) -> None:
@@ -302,7 +312,7 @@ def _claim_cpus(nproc: int = 1) -> None:
 @click.option("--out", default="samples", show_default=True, type=click.Path(path_type=Path))
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help="Overrides sample.nproc.")
 @user_errors
-@writes(out="dir")
+@writes(out=outputs.SAMPLES)
 def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> None:
     """Generate sample.per_class images per class from the EMA weights.
 
@@ -369,7 +379,7 @@ def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir
 @click.option("--low-res-from", default=None, help="Overrides superres.low_res_from: 'test' or a base run's samples.npz.")
 @click.option("--out", default="samples_superres", show_default=True, type=click.Path(path_type=Path))
 @user_errors
-@writes(out="dir")
+@writes(out=outputs.SAMPLES)
 def sample_superres(params_path: Path, model_dir: Path, data_dir: Path | None, low_res_from: str | None,
                     out: Path) -> None:
     """Upsample low-res images with a trained super-resolution model (one process).
@@ -461,7 +471,7 @@ def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -
 @click.option("--attention-order", type=click.Choice(["legacy", "new"]), default="legacy", show_default=True,
               help="guided-diffusion's use_new_attention_order (new); improved-diffusion is legacy.")
 @user_errors
-@writes(out="dir")
+@writes(out=outputs.MODEL)
 def import_(params_path: Path, src: Path, fmt: str, out: Path, data_dir: Path, ema_rate: float | None,
             attention_order: str) -> None:
     """Convert a published model into the directory `train` writes (docs/MODELS.md).
@@ -487,7 +497,7 @@ def import_(params_path: Path, src: Path, fmt: str, out: Path, data_dir: Path, e
 @click.option("--model", "model_dir", default="models/ddpm", show_default=True, type=click.Path(path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="The folder to write.")
 @user_errors
-@writes(out="dir")
+@writes(out=outputs.DIFFUSERS)
 def export(params_path: Path, fmt: str, model_dir: Path, out: Path) -> None:
     """Write a trained (or imported) model as a diffusers pipeline folder.
 

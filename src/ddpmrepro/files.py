@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from .outputs import OutputKind, check_replaceable
+
 if TYPE_CHECKING:
     import torch
 
@@ -117,17 +119,21 @@ def trash_dir(dst: Path) -> Path:
 
 
 @contextlib.contextmanager
-def replacing_dir(dst: Path) -> Iterator[Path]:
+def replacing_dir(dst: Path, kind: OutputKind) -> Iterator[Path]:
     """Yields an empty temp sibling of `dst` to write the new directory into; when the block
     finishes, it replaces `dst` whole (`replace_dir`). An exception, in the block or in the swap,
     removes it and leaves `dst` as it was.
+
+    `dst` must be missing, empty or already a `kind` output (`outputs.check_replaceable`): the old
+    directory is deleted, so anything else is refused (OutputRefused) before the block runs.
 
     One writer per output at a time (DVC's and the run's locks see to that): a second one would
     start by deleting the first one's temp directory.
     """
     dst = Path(dst)
+    check_replaceable(dst, kind)  # before any name is derived from it: `.` has none
     dst.parent.mkdir(parents=True, exist_ok=True)
-    recover_dir(dst)  # the old output back in place while the new one is written
+    recover_dir(dst)  # the old output back in place while the new one is written (it was checked then)
     tmp = temp_dir(dst)
     _remove(tmp)  # a killed writer's leftover
     tmp.mkdir()
@@ -192,9 +198,10 @@ def recover_dir(dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
-def copy_dir(src: Path, dst: Path) -> None:
-    """Replaces `dst` with a copy of `src` (kept), with `replace_dir`'s guarantee."""
-    with replacing_dir(dst) as tmp:
+def copy_dir(src: Path, dst: Path, kind: OutputKind) -> None:
+    """Replaces `dst` (missing, empty or a `kind` output) with a copy of `src` (kept), with
+    `replace_dir`'s guarantee."""
+    with replacing_dir(dst, kind) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
 
 

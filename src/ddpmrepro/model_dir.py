@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from . import files
+from . import files, outputs
 from .model import phema
 from .model.superres import build_superres
 from .model.unet import UNet, build_unet
@@ -85,7 +85,7 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
     if missing or list(config["ema_rates"]) != list(emas) or weights is None and not emas:
         raise ValueError(f"not a model directory's config.json (missing {missing}, ema_rates "
                          f"{config.get('ema_rates')} for EMA weights {list(emas)})")
-    with files.replacing_dir(out) as tmp:
+    with files.replacing_dir(out, outputs.MODEL) as tmp:
         if weights is not None:
             files.save_weights(weights, tmp / MODEL_FILE)
         for rate, ema in emas.items():

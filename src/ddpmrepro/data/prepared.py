@@ -27,6 +27,7 @@ from ddpmrepro.data import sources
 from ddpmrepro.data.image_folder import default_workers, read_image_folder
 from ddpmrepro.data.sources import HFLIP_OK, DataError, Source
 from ddpmrepro.data.verify import Verifier
+from ddpmrepro import outputs
 from ddpmrepro.files import atomic_write_text, replacing_dir
 from ddpmrepro.params import DataParams
 
@@ -87,7 +88,7 @@ def prepare(params: DataParams, out_dir: str | Path, *, workers: int | None = No
     _check_free_space(out_dir, len(labels), source.image_shape)
 
     # Decode in the source's order, each image to its split's writer; then swap the result into place.
-    with replacing_dir(out_dir) as tmp:
+    with replacing_dir(out_dir, outputs.PREPARED) as tmp:
         files: dict[str, str] = {}
         n_test = int(is_test.sum())
         writers = {"train": shards.SplitWriter(tmp, "train", len(labels) - n_test, source.image_shape, files),

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from .. import files
+from .. import files, outputs
 from ..params import EvaluatorParams
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def _fit(train_images, train_labels, test_images, test_labels, params: Evaluator
 
 def _write_atomic(out_dir: Path, net: nn.Module, config: dict, metrics: dict) -> None:
     """Writes the three files into a temp dir beside `out_dir`, which then replaces it whole."""
-    with files.replacing_dir(out_dir) as tmp:
+    with files.replacing_dir(out_dir, outputs.EVALUATOR) as tmp:
         files.save_weights(net.state_dict(), tmp / "model.safetensors", metadata={"format": "pt"})
         config = {**config, "model_sha256": files.sha256(tmp / "model.safetensors")}
         files.atomic_write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import files
+from .. import files, outputs
 from ..data import to_uint8
 from ..model.diffusion import from_params as diffusion_from_params
 from ..model.diffusion import guided_model_fn
@@ -158,7 +158,7 @@ def write_samples(out_dir: Path, images: np.ndarray, labels: np.ndarray, seeds: 
     image, which evaluate copies into the metrics), swapped into place together."""
     from ..params import save_resolved
 
-    with files.replacing_dir(out_dir) as tmp:
+    with files.replacing_dir(out_dir, outputs.SAMPLES) as tmp:
         buf = io.BytesIO()
         np.savez(buf, images=images, labels=labels.astype(np.int64), seeds=seeds)
         files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import files
+from .. import files, outputs
 from ..data import load_prepared, to_model_range, to_uint8
 from ..model.superres import augment, bicubic_upsample, downsample, project
 from ..model_dir import load_model
@@ -142,7 +142,7 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
 def _write(out_dir: Path, arrays: dict, class_names, params: Params) -> None:
     from ..params import save_resolved
 
-    with files.replacing_dir(out_dir) as tmp:
+    with files.replacing_dir(out_dir, outputs.SAMPLES) as tmp:
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))

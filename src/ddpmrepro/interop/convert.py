@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .. import files
+from .. import files, outputs
 from ..data.prepared import read_manifest
 from ..model.unet import PRESETS, SHARED_DEFAULTS
 from ..model_dir import build_model, data_section, load_model, write_model
@@ -158,10 +158,10 @@ def use_published(params: Params, data_dir: Path, out: Path, live_dir: Path, int
     nothing was trained, and nothing pretends it was). Returns the model's config.json."""
     config = import_model(Path(params.train.import_from), params.train.import_format, out, params, data_dir,
                           ema_rate=params.train.ema_rates[0])
-    with files.replacing_dir(Path(live_dir)) as tmp:
+    with files.replacing_dir(Path(live_dir), outputs.TRAIN_LOG) as tmp:
         (tmp / "plots" / "metrics").mkdir(parents=True)
         files.atomic_write_text(tmp / "metrics.json", "{}\n")
-    with files.replacing_dir(Path(introspect_dir)):
+    with files.replacing_dir(Path(introspect_dir), outputs.INTROSPECTION):
         pass  # empty
     return config
 
@@ -182,7 +182,7 @@ def export_diffusers(model_dir: Path, out: Path, ema_rate: float, ema_length: fl
                               "has no pipeline for IDDPM's super-resolution UNet, so only base models export")
     unet_cfg = DF.unet2d_config(model, config["data"]["image_size"])
     sched_cfg = DF.scheduler_config(trained.diffusion)
-    with files.replacing_dir(Path(out)) as tmp:
+    with files.replacing_dir(Path(out), outputs.DIFFUSERS) as tmp:
         (tmp / "unet").mkdir()
         (tmp / "scheduler").mkdir()
         files.save_weights(DF.to_diffusers(model), tmp / "unet" / "diffusion_pytorch_model.safetensors",

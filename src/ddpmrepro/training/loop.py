@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import files
+from .. import files, outputs
 from ..data import load_prepared
 from ..model.diffusion import from_params as diffusion_from_params
 from ..model.superres import build_superres
@@ -345,8 +345,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             train_log.end()
             _export(paths.model_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary,
                     snapshots=ckpt_dir / "phema", loss_weight=weighting.export())
-            files.copy_dir(ckpt_dir / "live", paths.live_dir)
-            files.copy_dir(ckpt_dir / "introspect", paths.introspect_dir)
+            files.copy_dir(ckpt_dir / "live", paths.live_dir, outputs.TRAIN_LOG)
+            files.copy_dir(ckpt_dir / "introspect", paths.introspect_dir, outputs.INTROSPECTION)
         D.barrier()
     D.cleanup()
     return last.summary
