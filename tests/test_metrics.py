@@ -2,7 +2,9 @@
 and failure modes on digits that the metrics must catch, each compared with a real-vs-real floor."""
 from __future__ import annotations
 
+import collections
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,6 +296,37 @@ def test_inception_refuses_unverified_weights(tmp_path):
         M.inception_metrics(imgs, imgs, w, "0" * 64)
     with pytest.raises(M.InceptionWeightsError, match="not found"):
         M.inception_metrics(imgs, imgs, tmp_path / "absent.pth", "0" * 64)
+
+
+class _RunsCode:
+    """Unpickling this calls `marker.touch()`: what a weights file from a stranger can do to an
+    unpickler with weights_only=False, as torch-fidelity's Inception loader is."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_inception_weights_that_would_run_code_are_refused_whatever_their_sha256(tmp_path):
+    """The sha256 is the user's own, computed from the file they were given: it cannot vouch for
+    the file. Its bytes must also pass torch's weights_only loader before torch-fidelity unpickles
+    them; real weights (an OrderedDict of tensors) do."""
+    import hashlib
+
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "weights-inception-2015-12-05-6726825d.pth"
+    torch.save({"conv.weight": torch.zeros(2), "x": _RunsCode(marker)}, evil)
+    imgs = np.zeros((4, 3, 8, 8), np.uint8)
+    with pytest.raises(M.InceptionWeightsError, match="not a plain state dict of tensors, so it is not unpickled"):
+        M.inception_metrics(imgs, imgs, evil, hashlib.sha256(evil.read_bytes()).hexdigest())
+    assert not marker.exists()
+    plain = tmp_path / "plain.pth"
+    torch.save(collections.OrderedDict(w=torch.ones(3)), plain)
+    with M._verified_weights(plain, hashlib.sha256(plain.read_bytes()).hexdigest(), unpickled_by_fidelity=True) as copy:
+        assert copy != plain and copy.read_bytes() == plain.read_bytes()  # what torch-fidelity reads: the checked bytes
+    assert not copy.exists()
 
 
 STANDIN = "ddpmrepro-test-standin"

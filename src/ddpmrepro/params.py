@@ -382,8 +382,9 @@ class EvaluateParams:
     pr_neighbourhood: int = _f(3, min=1, doc="k of the k-nearest-neighbour balls of precision/recall.")
     inception_weights: str = _f("", doc="Local path to the TF-ported inception-2015-12-05 weights for "
                                         "Inception FID/IS; '' skips them (nothing is downloaded).")
-    inception_sha256: str = _f("", doc="sha256 of those weights, required with them: the file is unpickled, "
-                                       "so only a verified one is loaded.")
+    inception_sha256: str = _f("", doc="sha256 of those weights, required with them (it names the weights a "
+                                       "paper's numbers used); a file torch's weights_only loader refuses is "
+                                       "never unpickled, whatever its sha256.")
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,14 @@ with a local, sha256-verified weights file and never download anything.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from .. import files
 
 # --- Fréchet distance -------------------------------------------------------------------------
 
@@ -267,19 +268,48 @@ class InceptionWeightsError(ValueError):
     """A weights file that is missing or fails its sha256 check; one line naming the file and the fix."""
 
 
-def verify_sha256(path: str | Path, expected: str) -> None:
-    """Refuses (InceptionWeightsError) unless `path` exists and its sha256 equals `expected`."""
+def verify_sha256(path: str | Path, expected: str) -> bytes:
+    """The bytes of `path`, read once; refuses (InceptionWeightsError) unless the file exists and
+    the sha256 of those bytes equals `expected`."""
     path = Path(path)
     if not expected:
         raise InceptionWeightsError(
-            f"{path}: evaluate.inception_sha256 is empty; give the file's sha256 (torch-fidelity unpickles "
-            "it with weights_only=False, so only a verified file is loaded)")
+            f"{path}: evaluate.inception_sha256 is empty; give the file's sha256 (the weights of a paper's "
+            "Inception are identified by it)")
     if not path.is_file():
         raise InceptionWeightsError(f"{path}: not found; fix evaluate.inception_weights or set it to \"\"")
-    digest = files.sha256(path)
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
     if digest != expected.strip().lower():
         raise InceptionWeightsError(
             f"{path}: sha256 {digest} != evaluate.inception_sha256 {expected}; refusing to load it")
+    return data
+
+
+@contextlib.contextmanager
+def _verified_weights(path: str | Path, expected: str, *, unpickled_by_fidelity: bool):
+    """The weights as the extractor will read them: a private copy of the very bytes whose sha256
+    was checked (the file cannot change between the check and the load).
+
+    torch-fidelity's Inception unpickles its weights with weights_only=False, which runs whatever
+    code a pickle names; a sha256 the user computed from the file they were given guards nothing.
+    So those bytes must first pass torch's safe loader (weights_only=True: tensors and plain
+    containers only), which the real weights-inception-2015-12-05 file does."""
+    import torch
+
+    data = verify_sha256(path, expected)
+    if unpickled_by_fidelity:
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise InceptionWeightsError(
+                f"{path}: not a plain state dict of tensors, so it is not unpickled (torch's weights_only loader "
+                f"refused it: {reason[:200]}); use torch-fidelity's weights-inception-2015-12-05-6726825d.pth") from None
+    with tempfile.TemporaryDirectory(prefix="ddpmrepro-inception-") as d:
+        copy = Path(d) / Path(path).name
+        copy.write_bytes(data)
+        yield copy
 
 
 @contextlib.contextmanager
@@ -331,19 +361,19 @@ def inception_metrics(
     """FID/KID/IS/precision/recall in the TF-ported Inception space (torch-fidelity 0.4.0).
 
     `weights_path` must be a local copy of torch-fidelity's weights-inception-2015-12-05 file;
-    its sha256 must equal `sha256` (checked before anything is unpickled). Nothing is ever
-    downloaded: TORCH_HOME points at an empty temp dir during the call. With no path (and no
+    its sha256 must equal `sha256`, and torch's safe loader must accept it (both checked before
+    torch-fidelity unpickles it: `_verified_weights`). Nothing is ever downloaded: TORCH_HOME
+    points at an empty temp dir during the call. With no path (and no
     stand-in `feature_extractor`), returns only an `inception_status` saying why it was skipped.
 
     `feature_extractor` names another extractor registered with
     `torch_fidelity.register_feature_extractor` (used by the tests with a small stand-in net);
-    it receives `feature_extractor_weights_path=weights_path`, verified the same way.
+    it receives a verified copy of `weights_path` the same way (the sha256 only: it loads its own
+    weights, as safetensors in the tests).
     """
     if not weights_path and feature_extractor is None:
         return {"inception_status": "skipped: set evaluate.inception_weights to a local "
                 "weights-inception-2015-12-05-6726825d.pth file (and evaluate.inception_sha256)"}
-    if weights_path:
-        verify_sha256(weights_path, sha256)
     try:
         import torch
         import torch_fidelity
@@ -352,11 +382,15 @@ def inception_metrics(
                                     "(pip install 'ddpmrepro[metrics]')") from None
 
     n = min(len(gen_uint8), len(real_uint8))
-    with _offline_torch_home():
+    with contextlib.ExitStack() as stack:
+        weights = (stack.enter_context(_verified_weights(weights_path, sha256,
+                                                         unpickled_by_fidelity=feature_extractor is None))
+                   if weights_path else None)
+        stack.enter_context(_offline_torch_home())
         m = torch_fidelity.calculate_metrics(
             input1=_as_rgb_dataset(gen_uint8), input2=_as_rgb_dataset(real_uint8),
             feature_extractor=feature_extractor or INCEPTION_EXTRACTOR,
-            feature_extractor_weights_path=str(weights_path) if weights_path else None,
+            feature_extractor_weights_path=str(weights) if weights else None,
             isc=True, fid=True, kid=True, prc=True, kid_subset_size=min(kid_subset_size, n),
             prc_neighborhood=k, batch_size=batch_size, cuda=torch.cuda.is_available(),
             cache=False, save_cpu_ram=True, verbose=False,
