@@ -2,6 +2,7 @@
 and read back into the network it was written from."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -82,7 +83,7 @@ def test_the_weights_sums_are_sha256sums_and_a_damaged_or_unlisted_file_is_refus
     # what `sha256sum -c` reads, and it agrees
     listed = (out / "SHA256SUMS").read_text()
     assert listed == "".join(f"{hashlib.sha256((out / n).read_bytes()).hexdigest()}  {n}\n"
-                             for n in ("ema_0.9.safetensors", "model.safetensors"))
+                             for n in ("config.json", "ema_0.9.safetensors", "model.safetensors"))
     check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=out, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     # one flipped byte in the EMA: its loader refuses in one line, the raw weights still load
@@ -95,12 +96,67 @@ def test_the_weights_sums_are_sha256sums_and_a_damaged_or_unlisted_file_is_refus
         load_model(out, 0.9)
     load_model(out, 0)
     # a weights file the sums do not list cannot be checked: refused too
-    (out / "SHA256SUMS").write_text(listed.splitlines()[0] + "\n")
+    (out / "SHA256SUMS").write_text(listed.splitlines()[1] + "\n")
     with pytest.raises(F.CheckpointError, match=r"model.safetensors: not listed in"):
         load_model(out, 0)
     # a directory written before the sums were kept is read as it is
     (out / "SHA256SUMS").unlink()
     load_model(out, 0)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda c: c["params"]["diffusion"].update(timesteps=1000), "config.json: sha256 differs from"),
+    (lambda c: c.pop("data"), "config.json: sha256 differs from"),
+])
+def test_an_edited_config_is_refused_by_its_sum(tmp_path, edit, words):
+    """A model trained with T=50 was sampled as T=1000 after an edit of config.json, exit 0."""
+    out = tmp_path / "m"
+    write_model(out, config([0.9]), tiny(0).state_dict(), {0.9: tiny(1).state_dict()})
+    c = json.loads((out / "config.json").read_text())
+    edit(c)
+    (out / "config.json").write_text(json.dumps(c))
+    with pytest.raises(F.CheckpointError, match=words):
+        load_model(out, 0.9)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"params": ', "not valid JSON (Expecting value: line 1 column 12"),
+    (b"\xff\xfe", "not valid JSON ('utf-8' codec can't decode"),
+    ("[1, 2]", "a JSON list, not an object"),
+    ('{"params": null, "data": {}, "ema_rates": []}', "'params' is NoneType, not a dict"),
+    ('{"params": {}, "ema_rates": []}', "'data' is missing, not a dict"),
+    ('{"params": {}, "data": {"num_classes": 10, "image_size": "8", "channels": 1}, "ema_rates": []}',
+     "data.image_size is '8', not a whole number"),
+    ('{"params": {}, "data": {"num_classes": 2, "image_size": 8, "channels": 1, "class_names": ["a"]}, "ema_rates": []}',
+     "data.class_names does not name data.num_classes=2 classes"),
+    ('{"params": {}, "data": {"num_classes": 1, "image_size": 8, "channels": 1, "class_names": ["a"]}, "ema_rates": "0.9"}',
+     "'ema_rates' is str, not a list"),
+    ('{"params": {"model": {"channels": -4}}, "data": {"num_classes": 1, "image_size": 8, "channels": 1, '
+     '"class_names": ["a"]}, "ema_rates": []}', "params: model.channels"),
+])
+def test_a_damaged_config_in_a_directory_without_its_sum_is_one_line_naming_it(tmp_path, text, words):
+    """Directories written before config.json was summed are still read, so its shape is checked
+    too: one CheckpointError naming the file and the fix, not a KeyError's traceback."""
+    out = tmp_path / "m"
+    write_model(out, config([0.9]), tiny(0).state_dict(), {0.9: tiny(1).state_dict()})
+    sums = (out / "SHA256SUMS").read_text().splitlines()
+    (out / "SHA256SUMS").write_text("".join(f"{line}\n" for line in sums if not line.endswith("config.json")))
+    (out / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(F.CheckpointError) as e:
+        load_model(out, 0.9)
+    assert str(e.value).startswith(f"{out / 'config.json'}: ") and words in str(e.value), str(e.value)
+    assert str(e.value).endswith("restore the model directory (`dvc checkout models/ddpm`) or retrain")
+
+
+def test_weights_of_another_shape_than_configs_network_are_one_line_naming_the_tensor(tmp_path):
+    out = tmp_path / "m"
+    wide = dataclasses.replace(PARAMS, model=dataclasses.replace(PARAMS.model, channels=PARAMS.model.channels * 2))
+    net = build_unet(wide.model, image_size=8, in_channels=1, num_classes=10,
+                     learn_sigma=PARAMS.diffusion.variance == "learned_range")
+    write_model(out, config([0.9]), net.state_dict(), {0.9: net.state_dict()})
+    with pytest.raises(F.CheckpointError, match=r"ema_0.9.safetensors: \S+ is \[\d+(, \d+)*\], but config.json's "
+                                                r"network has \[\d+(, \d+)*\] \(\d+ tensors differ\); restore"):
+        load_model(out, 0.9)
 
 
 def test_a_reader_restores_the_old_directory_a_killed_fallback_swap_left_aside(tmp_path):

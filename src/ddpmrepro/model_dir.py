@@ -105,19 +105,59 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
                                        "--restart`)")
             add_to_manifest(tmp / PHEMA_DIR, digests)
         files.atomic_write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2))
+        # config.json says what network and diffusion the weights are: an edit there (T=1000 for a
+        # model trained with T=50) would load and sample without an error, so it is summed as well.
+        add_to_manifest(tmp, {CONFIG_FILE: files.sha256(tmp / CONFIG_FILE)})
 
 
 # --- reading ---------------------------------------------------------------------------------------
 
 
+RESTORE = "restore the model directory (`dvc checkout models/ddpm`) or retrain"
+
+
 def read_config(model_dir: Path) -> dict:
-    """config.json of a model directory; CheckpointError (one line) where there is none."""
+    """config.json of a model directory, checked against SHA256SUMS where they list it (directories
+    written before they did are not) and in its shape; CheckpointError (one line) where there is
+    none, or it is damaged or edited."""
     model_dir = Path(model_dir)
     files.recover_dir(model_dir)  # a writer killed mid-swap where directories cannot be exchanged
     path = model_dir / CONFIG_FILE
     if not path.exists():
         raise files.CheckpointError(f"{path}: not found; train first (`dvc repro train`)")
-    return json.loads(path.read_text())
+    if CONFIG_FILE in read_manifest(model_dir):
+        check_weights_file(model_dir, CONFIG_FILE)
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise files.CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {RESTORE}") from None
+    problem = config_problem(config)
+    if problem:
+        raise files.CheckpointError(f"{path}: {problem}; {RESTORE}")
+    return config
+
+
+def config_problem(config) -> str | None:
+    """What keeps `config` from describing a model directory's weights, or None."""
+    if not isinstance(config, dict):
+        return f"a JSON {type(config).__name__}, not an object"
+    for key, kind in (("params", dict), ("data", dict), ("ema_rates", list)):
+        if not isinstance(config.get(key), kind):
+            return f"'{key}' is {'missing' if key not in config else type(config[key]).__name__}, not a {kind.__name__}"
+    data = config["data"]
+    for key in ("num_classes", "image_size", "channels"):
+        if type(data.get(key)) is not int or data[key] < 0:
+            return f"data.{key} is {data.get(key)!r}, not a whole number"
+    names = data.get("class_names")
+    if not isinstance(names, list) or len(names) != data["num_classes"]:
+        return f"data.class_names does not name data.num_classes={data['num_classes']} classes"
+    if not all(type(r) in (int, float) and 0 <= r < 1 for r in config["ema_rates"]):
+        return f"ema_rates {config['ema_rates']!r} are not EMA rates in [0, 1)"
+    try:
+        from_dict(config["params"])
+    except ParamsError as e:
+        return f"params: {e}"
+    return None
 
 
 def build_model(trained: Params, data: dict) -> UNet:
@@ -150,10 +190,16 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu", *, ema_length: fl
     else:
         check_weights_file(model_dir, name)
         state = files.load_weights(model_dir / name)
-    missing = set(model.state_dict()) ^ set(state)
+    expected = model.state_dict()
+    missing = set(expected) ^ set(state)
     if missing:
         raise files.CheckpointError(f"{model_dir / name}: tensors do not match the architecture in config.json "
                                     f"(e.g. {sorted(missing)[0]}); retrain or restore the model directory")
+    wrong = [k for k in expected if state[k].shape != expected[k].shape]
+    if wrong:
+        k = wrong[0]
+        raise files.CheckpointError(f"{model_dir / name}: {k} is {list(state[k].shape)}, but config.json's network "
+                                    f"has {list(expected[k].shape)} ({len(wrong)} tensors differ); {RESTORE}")
     model.load_state_dict(state)
     return model.to(device).eval(), trained, config
 
