@@ -154,8 +154,67 @@ def test_the_cascade_upsamples_a_base_runs_samples(trained, tmp_path):
     params = write_params(tmp_path / "q.yaml", low_res_from=str(tmp_path / "big.npz"))
     result = CliRunner().invoke(main, ["sample-superres", "--params", str(params), "--model", str(trained / "model"),
                                        "--out", str(tmp_path / "d")])
-    assert result.exit_code != 0 and "upsampler takes uint8 (C, 4, 4)" in result.output
+    assert result.exit_code != 0 and "the upsampler takes (1, 4, 4)" in result.output
     assert not (tmp_path / "d").exists()
+
+
+def _base(tmp_path, name, **arrays):
+    g = np.random.default_rng(0)
+    base = {"images": g.integers(0, 256, (3, 1, 4, 4), dtype=np.uint8), "labels": np.array([0, 3, 9]), **arrays}
+    np.savez(tmp_path / name, **{k: v for k, v in base.items() if v is not None})
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("arrays, words", [
+    ({"labels": np.full(3, -1)}, "holds an unconditional model's samples (labels -1), and this upsampler is class-conditional"),
+    ({"labels": np.array([0, 3, 99])}, "label 99 is not a class of the 10"),
+    ({"labels": np.array([0, -3, 1])}, "label -3 is not a class of the 10"),
+    ({"labels": np.array([0.5, 1.5, 2.5])}, "labels are float64 [3], not 3 whole numbers"),
+    ({"labels": np.array([0, 1])}, "labels are int64 [2], not 3 whole numbers"),
+    ({"images": np.zeros((3, 3, 4, 4), np.uint8)}, "holds images of shape (3, 4, 4), the upsampler takes (1, 4, 4)"),
+    ({"images": np.zeros((0, 1, 4, 4), np.uint8), "labels": np.zeros(0, np.int64)}, "with N >= 1"),
+    ({"labels": None}, "no labels array (images only)"),
+    ("truncated", "unreadable (BadZipFile"),
+])
+def test_a_bad_base_samples_file_is_one_line_exit_2_before_any_work(trained, tmp_path, arrays, words):
+    """sample-superres --low-res-from a damaged or foreign samples.npz: IndexError and BadZipFile
+    tracebacks before, or an upsampling of nonsense labels."""
+    if arrays == "truncated":
+        path = _base(tmp_path, "base.npz")
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        path = _base(tmp_path, "base.npz", **arrays)
+    params = write_params(tmp_path / "p.yaml", low_res_from=str(path))
+    result = CliRunner().invoke(main, ["sample-superres", "--params", str(params), "--model", str(trained / "model"),
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("Error: ") and str(path) in line and words in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_superres_samples_file_is_one_line_for_evaluate_superres(trained, tmp_path):
+    params = write_params(tmp_path / "p.yaml", low_res_from=str(_base(tmp_path, "base.npz")))
+    cli("sample-superres", "--params", str(params), "--model", str(trained / "model"), "--out", str(tmp_path / "s"))
+    good = dict(np.load(tmp_path / "s" / "samples.npz"))
+    cases = {
+        "source_index": ({**good, "from_test": np.array(True), "source_index": np.array([0, 1, 10**6])},
+                         "source_index does not index the"),
+        "labels": ({**good, "labels": good["labels"] + 99}, "label 99 is not a class of the 10"),
+        "low_res": ({**good, "low_res": good["low_res"][:1]}, "low_res is uint8 [1, 1, 4, 4], not uint8 low-res images"),
+        "missing": ({k: v for k, v in good.items() if k != "from_test"}, "no from_test array"),
+    }
+    for name, (arrays, words) in cases.items():
+        (tmp_path / name).mkdir()
+        np.savez(tmp_path / name / "samples.npz", **arrays)
+        result = CliRunner().invoke(main, ["evaluate-superres", "--params", str(params), "--samples", str(tmp_path / name),
+                                           "--data", str(trained / "data"), "--evaluator", str(trained / "evaluator"),
+                                           "--out", str(tmp_path / name / "m.json"),
+                                           "--detail", str(tmp_path / name / "d.json")])
+        assert result.exit_code == 1, (name, result.output, result.exception)
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("Error: ") and words in line, (name, line)
+        assert not (tmp_path / name / "m.json").exists()
 
 
 @pytest.mark.parametrize("raw, message", [

@@ -59,3 +59,18 @@ def test_an_unconditional_model_trains_samples_and_evaluates_with_class_accuracy
     assert list(headline)[0] == "class_acc" and headline["fid"] > 0 and headline["bpd"] > 0
     detail = json.loads((tmp_path / "detail.json").read_text())
     assert detail["samples"]["conditional"] is False and detail["samples"]["accuracy"] is None
+
+    # Labels that are neither classes nor all -1 are refused in one line, and the metrics stay: they
+    # were scored, exit 0, and a float label gave a class accuracy of 0.
+    before = (tmp_path / "metrics.json").read_bytes()
+    good = dict(np.load(tmp_path / "samples" / "samples.npz"))
+    for labels, words in ((np.r_[good["labels"][:-1], 99], "label -1 is not a class of the 10 (nor all -1"),
+                          (good["labels"] + 0.5, "labels are float64 [20], not 20 whole numbers")):
+        np.savez(tmp_path / "samples" / "samples.npz", **{**good, "labels": labels})
+        proc = subprocess.run([sys.executable, "-m", "ddpmrepro.cli", "evaluate", "--samples", "samples", "--data",
+                               "data", "--evaluator", "evaluator", "--model", "model", "--out", "metrics.json",
+                               "--detail", "detail.json"], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}, timeout=600)
+        assert proc.returncode == 1 and proc.stderr.startswith("Error: samples/samples.npz: ") and words in proc.stderr
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert (tmp_path / "metrics.json").read_bytes() == before

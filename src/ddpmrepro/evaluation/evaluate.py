@@ -35,17 +35,12 @@ from ..model_dir import load_model
 from ..params import Params
 from .evaluator import load_evaluator
 from .metrics import feature_metrics, inception_metrics, real_floor
+from .sample import read_samples
 
 
-def load_samples(samples_dir: Path) -> dict[str, np.ndarray]:
-    path = Path(samples_dir) / "samples.npz"
-    if not path.exists():
-        raise CheckpointError(f"{path}: not found; run `dvc repro sample` first")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in ("images", "labels", "seeds")}
-    except Exception as e:
-        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}); rerun `dvc repro sample`") from None
+def load_samples(samples_dir: Path, num_classes: int) -> dict[str, np.ndarray]:
+    return read_samples(Path(samples_dir) / "samples.npz", num_classes=num_classes,
+                        fix="rerun `dvc repro sample` (or `ddpmrepro sample`)")
 
 
 @torch.no_grad()
@@ -80,8 +75,8 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     (both as an HTML table, for Snakemake's report); returns the headline. `live_dir` holds the
     training run's dvclive files (its last logged values are copied)."""
     p = params.evaluate
-    samples = load_samples(samples_dir)
     data = load_prepared(data_dir)
+    samples = load_samples(samples_dir, data.num_classes)
     evaluator = load_evaluator(evaluator_dir)
     if samples["images"].shape[1:] != data.test_images.shape[1:]:
         raise ValueError(f"samples are {samples['images'].shape[1:]} but the data is {data.test_images.shape[1:]}; "

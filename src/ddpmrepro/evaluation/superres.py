@@ -33,7 +33,7 @@ from ..model_dir import load_model
 from ..params import Params, ParamsError
 from ..runtime.autocast_network import with_precision
 from ..runtime.memory_layout import memory_layout
-from .sample import bind_labels, check_guidance, image_seed, process, run_sampler, save_grid
+from .sample import bind_labels, check_guidance, image_seed, process, read_samples, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).
@@ -42,34 +42,37 @@ from .sample import bind_labels, check_guidance, image_seed, process, run_sample
 CONSISTENCY_TOL = 2.0
 
 
-def low_res_inputs(params: Params, side: int, image_size: int, data_dir: Path | None) -> dict:
+def low_res_inputs(params: Params, side: int, data: dict, data_dir: Path | None, *, conditional: bool) -> dict:
     """uint8 low-res images (N, C, side, side), their labels, where they come from, and the true
-    high-res images when they come from the test split (else None)."""
+    high-res images when they come from the test split (else None). `data`: the upsampler's
+    config.json section; `conditional`: whether it takes class labels."""
+    image_size, num_classes = data["image_size"], data["num_classes"]
     sr, per_class = params.superres, params.sample.per_class
     if sr.low_res_from == "test":
         if data_dir is None:
             raise ParamsError("superres.low_res_from is 'test': pass --data, the prepared data directory")
-        data = load_prepared(data_dir)
-        if data.test_images.shape[-1] != image_size:
-            raise ParamsError(f"{data_dir} holds {data.test_images.shape[-1]}x{data.test_images.shape[-1]} images, the "
+        test = load_prepared(data_dir)
+        if test.test_images.shape[-1] != image_size:
+            raise ParamsError(f"{data_dir} holds {test.test_images.shape[-1]}x{test.test_images.shape[-1]} images, the "
                               f"upsampler makes {image_size}x{image_size}; prepare the data at data.image_size: "
                               f"{image_size}")
-        labels = np.asarray(data.test_labels)
-        index = np.concatenate([np.flatnonzero(labels == c)[:per_class] for c in range(data.num_classes)])
-        truth = np.stack([np.asarray(data.test_images[i]) for i in index])
+        labels = np.asarray(test.test_labels)
+        index = np.concatenate([np.flatnonzero(labels == c)[:per_class] for c in range(test.num_classes)])
+        truth = np.stack([np.asarray(test.test_images[i]) for i in index])
         low = to_uint8(downsample(to_model_range(truth), side)).numpy()
         return {"low_res": low, "labels": labels[index], "source_index": index, "truth": truth}
     path = Path(sr.low_res_from)
     if not path.is_file():
         raise ParamsError(f"superres.low_res_from: {path} is not a file; give a base run's samples.npz or 'test'")
-    with np.load(path, allow_pickle=False) as z:
-        if "images" not in z or "labels" not in z:
-            raise ParamsError(f"superres.low_res_from: {path} has no images/labels arrays; give a samples.npz "
-                              "written by `ddpmrepro sample`")
-        low, labels = z["images"], z["labels"]
-    if low.dtype != np.uint8 or low.ndim != 4 or low.shape[-1] != side or low.shape[-2] != side:
-        raise ParamsError(f"superres.low_res_from: {path} holds {low.dtype} images of shape {low.shape[1:]}, the "
-                          f"upsampler takes uint8 (C, {side}, {side}); sample the base model at {side}x{side}")
+    z = read_samples(path, num_classes=num_classes, keys=("images", "labels"), error=ParamsError,
+                     fix="give superres.low_res_from a samples.npz written by `ddpmrepro sample`")
+    low, labels = z["images"], z["labels"]
+    if low.shape[1:] != (data["channels"], side, side):
+        raise ParamsError(f"superres.low_res_from: {path} holds images of shape {low.shape[1:]}, the upsampler "
+                          f"takes ({data['channels']}, {side}, {side}); sample a base model of that shape")
+    if conditional and (labels == -1).all():
+        raise ParamsError(f"superres.low_res_from: {path} holds an unconditional model's samples (labels -1), and "
+                          "this upsampler is class-conditional; upsample a class-conditional base model's samples")
     return {"low_res": low, "labels": labels.astype(np.int64), "source_index": np.arange(len(low)), "truth": None}
 
 
@@ -122,7 +125,7 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
     diffusion, _ = process(trained.diffusion, params.sample, model_dir)  # any sampler of sample.sampler
     data = config["data"]
     shape = (data["channels"], data["image_size"], data["image_size"])
-    inputs = low_res_inputs(params, side, data["image_size"], data_dir)
+    inputs = low_res_inputs(params, side, data, data_dir, conditional=model.label_embed is not None)
     n = len(inputs["labels"])
     seeds = [image_seed(params.sample.seed, k) for k in range(n)]
     images = np.empty((n, *shape), dtype=np.uint8)
@@ -195,16 +198,21 @@ def evaluate_superres(params: Params, samples_dir: Path, data_dir: Path, evaluat
     from .metrics import feature_metrics
 
     path = Path(samples_dir) / "samples.npz"
-    if not path.exists():
-        raise files.CheckpointError(f"{path}: not found; run `ddpmrepro sample-superres` first")
-    with np.load(path, allow_pickle=False) as z:
-        if "low_res" not in z:
-            raise files.CheckpointError(f"{path}: no low_res array: not written by `ddpmrepro sample-superres`")
-        s = {k: z[k] for k in z.files}
     data = load_prepared(data_dir)
+    fix = "rerun `ddpmrepro sample-superres`"
+    s = read_samples(path, num_classes=data.num_classes, fix=fix,
+                     keys=("images", "labels", "seeds", "low_res", "source_index", "from_test"))
     if s["images"].shape[1:] != data.test_images.shape[1:]:
         raise ValueError(f"samples are {s['images'].shape[1:]} but the data is {data.test_images.shape[1:]}; "
                          "evaluate against the high-resolution data the upsampler was trained on")
+    low, index = s["low_res"], s["source_index"]
+    if low.dtype != np.uint8 or low.ndim != 4 or low.shape[:2] != s["images"].shape[:2]:
+        raise files.CheckpointError(f"{path}: low_res is {low.dtype} {list(low.shape)}, not uint8 low-res images, one "
+                                    f"per image of {list(s['images'].shape)}; {fix}")
+    if bool(s["from_test"]) and (index.dtype.kind not in "iu" or index.shape != (len(low),)
+                                 or not ((index >= 0) & (index < len(data.test_images))).all()):
+        raise files.CheckpointError(f"{path}: source_index does not index the {len(data.test_images)} test images of "
+                                    f"{data_dir}, one per image; {fix}")
     evaluator = load_evaluator(evaluator_dir)
     f_test = evaluator.features(data.test_images)
     side = data.test_images.shape[-1]
