@@ -214,7 +214,7 @@ def damage_largest_record(pt: Path, out: Path) -> str:
 
 
 @pytest.mark.parametrize("case", ["truncated", "damaged", "missing", "unexpected", "shape", "other-architecture",
-                                  "code", "not-a-state-dict"])
+                                  "code", "not-a-state-dict", "nan"])
 def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case, tmp_path, monkeypatch):
     root, theirs, pt = small_id
     monkeypatch.chdir(root)
@@ -241,6 +241,11 @@ def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case,
         torch.save(DF.to_diffusers(build_unet(P.ModelParams(), image_size=8, in_channels=1, num_classes=10,
                                               learn_sigma=False)), bad)
         expected = ["missing", "not an improved-diffusion UNetModel"]
+    elif case == "nan":  # imported, then sampled as black images with exit 0
+        nan = state["out.2.weight"].clone()
+        nan[0, 0, 0, 0] = float("nan")
+        torch.save({**state, "out.2.weight": nan}, bad)
+        expected = [str(bad), "holds NaN or infinite values", "not imported"]
     elif case == "code":
         with open(bad, "wb") as f:
             torch.save({"x": torch.zeros(1), "payload": Payload(marker)}, f, pickle_protocol=2)

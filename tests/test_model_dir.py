@@ -159,6 +159,17 @@ def test_weights_of_another_shape_than_configs_network_are_one_line_naming_the_t
         load_model(out, 0.9)
 
 
+def test_weights_with_a_nan_are_one_line_not_black_samples(tmp_path):
+    state = dict(tiny(0).state_dict())
+    key = sorted(state)[len(state) // 2]
+    state[key] = state[key].clone()
+    state[key].view(-1)[0] = float("nan")
+    write_model(tmp_path / "m", config([0.9]), tiny(0).state_dict(), {0.9: state})
+    with pytest.raises(F.CheckpointError, match=rf"ema_0.9.safetensors: {key} holds NaN or infinite values"):
+        load_model(tmp_path / "m", 0.9)
+    load_model(tmp_path / "m", 0)  # the raw weights are finite
+
+
 def test_a_reader_restores_the_old_directory_a_killed_fallback_swap_left_aside(tmp_path):
     write_model(tmp_path / "m", config([]), tiny(0).state_dict(), {})
     (tmp_path / "m").rename(tmp_path / ".m.old")  # killed between the fallback's two renames

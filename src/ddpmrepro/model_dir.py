@@ -200,6 +200,10 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu", *, ema_length: fl
         k = wrong[0]
         raise files.CheckpointError(f"{model_dir / name}: {k} is {list(state[k].shape)}, but config.json's network "
                                     f"has {list(expected[k].shape)} ({len(wrong)} tensors differ); {RESTORE}")
+    bad = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if bad is not None:  # every image would be NaN, written as black with exit 0
+        raise files.CheckpointError(f"{model_dir / name}: {bad} holds NaN or infinite values (a diverged run or a "
+                                    f"damaged file); {RESTORE}")
     model.load_state_dict(state)
     return model.to(device).eval(), trained, config
 

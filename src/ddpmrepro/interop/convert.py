@@ -133,6 +133,10 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
                                   f"{manifest['num_classes']} classes + the null label of {data_dir}")
     else:
         weights = ID.to_ours(state, model, source=str(src), attention_order=attention_order)
+    bad = next((k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if bad is not None:  # it would import, and sample black images with exit 0
+        raise ConversionError(f"{weights_path}: {bad} holds NaN or infinite values; a diverged or damaged model "
+                              "cannot be sampled, so it is not imported")
 
     rate = params.sample.ema_rate if ema_rate is None else float(ema_rate)
     config_out = {
