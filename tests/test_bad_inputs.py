@@ -367,7 +367,24 @@ def _not_a_training_state(path: Path):
     save_checkpoint({"step": 3, "weights": torch.zeros(2)}, path.parent, 3, keep=5)
 
 
+def _resigned(path: Path, **changes):
+    """This run's own checkpoint with `changes`, saved in its place with a matching sidecar: what a
+    user editing a checkpoint, or a foreign tool, leaves."""
+    state = torch.load(path, weights_only=True)
+    save_checkpoint({**state, **{k: f(state) for k, f in changes.items()}}, path.parent, int(state["step"]), keep=5)
+
+
+def _one_param_group_more(state):
+    groups = state["optimizer"]["param_groups"]
+    return {**state["optimizer"], "param_groups": [*groups, {**groups[0], "params": []}]}
+
+
 CHECKPOINT_CASES = {
+    # it resumed "from step 100" and exported the step-3 state as the finished model, exit 0
+    "step-not-its-name": (lambda p: _resigned(p, step=lambda s: 100), "holds step 100, but its name says"),
+    "step-a-string": (lambda p: _resigned(p, step=lambda s: "abc"), "holds step 'abc', but its name says"),
+    "optimizer-of-another-shape": (lambda p: _resigned(p, optimizer=_one_param_group_more),
+                                   "its optimizer state does not fit this run"),
     "truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "sha256 mismatch"),
     "flipped-bit": (_flip_a_byte, "sha256 mismatch"),
     "wrong-sidecar": (lambda p: p.with_suffix(".sha256").write_text("0" * 64 + "\n"), "sha256 mismatch"),

@@ -149,9 +149,19 @@ class CheckpointIO:
                                   "rerun with `ddpmrepro train --restart` to start over, or restore that code")
         if state["run_hash"] != run_hash:
             raise CheckpointError(f"{path}: belongs to run {state['run_hash']}, not {run_hash}; remove it")
+        step, named = state["step"], checkpoint_step(path) if STEP_FILE.match(Path(path).name) else None
+        if type(step) is not int or step < 0 or named is not None and step != named:
+            # A checkpoint of step 10 saying 100 would resume as if nearly done and be exported as the
+            # finished model; its name is what picked it as the latest.
+            raise CheckpointError(f"{path}: holds step {step!r}, but its name says {named}; delete it to resume "
+                                  "from an earlier checkpoint")
         for name, obj in self.objects.items():
-            obj.load_state_dict(state[name])
-        return int(state["step"])
+            try:
+                obj.load_state_dict(state[name])
+            except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
+                raise CheckpointError(f"{path}: its {name} state does not fit this run ({str(e).splitlines()[0][:200]}); "
+                                      "delete it to resume from an earlier checkpoint") from None
+        return step
 
 
 # --- a run directory is written by one process at a time -------------------------------------
