@@ -7,6 +7,7 @@ import html
 import math
 
 import numpy as np
+import pytest
 
 from ddpmrepro.evaluation.evaluate import HEADLINE, _per_class, layout, metrics_html
 from ddpmrepro.evaluation.metrics import feature_metrics, real_floor
@@ -73,3 +74,20 @@ def test_the_html_table_shows_each_headline_value_with_its_floor_and_each_class(
     assert f"<td>{floor['recall']:.4g}</td>" in page
     for name in ("zero", "one", "two", "three"):
         assert f"<tr><td>{html.escape(name)}</td><td>10</td>" in page
+
+
+def test_a_damaged_json_of_another_stage_is_one_line_naming_it(tmp_path):
+    """The evaluator's and dvclive's metrics.json, sampling.json: invalid JSON was
+    "Error: Expecting property name enclosed in double quotes", naming no file."""
+    from ddpmrepro.evaluation.evaluate import read_json
+    from ddpmrepro.files import CheckpointError
+
+    path = tmp_path / "metrics.json"
+    for text, words in (("{'a': 1}", "not valid JSON (Expecting property name enclosed in double quotes"),
+                        ("[1]", "a JSON list, not an object"), (b"\xff", "not valid JSON ('utf-8' codec")):
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(CheckpointError) as e:
+            read_json(path, "re-run it")
+        assert str(e.value).startswith(f"{path}: ") and words in str(e.value) and str(e.value).endswith("; re-run it")
+    path.write_text('{"a": 1}')
+    assert read_json(path, "") == {"a": 1}

@@ -97,7 +97,7 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     floor = real_floor(f_train, data.train_labels, f_test, data.test_labels, n, logits_a=logits_train,
                        k=p.pr_neighbourhood, kid_subset_size=kid_subset)
     floor = {k.removeprefix("floor_"): v for k, v in floor.items()}
-    evaluator_metrics = json.loads((Path(evaluator_dir) / "metrics.json").read_text())
+    evaluator_metrics = read_json(Path(evaluator_dir) / "metrics.json", "re-run `dvc repro fit-evaluator`")
 
     # Test bits/dim on a fixed subset (the first images of the test split).
     bpd = None
@@ -112,7 +112,7 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     # The training run's last logged values. (Not models/ddpm/config.json's `final`: a run that
     # resumes at its last step logs nothing, while dvclive's files come back with the checkpoint.)
     live_metrics = Path(live_dir) / "metrics.json" if live_dir else None
-    train = json.loads(live_metrics.read_text()) if live_metrics and live_metrics.is_file() else {}
+    train = read_json(live_metrics, "re-run `dvc repro train`") if live_metrics and live_metrics.is_file() else {}
 
     headline, detail = layout(gen, floor, _per_class(gen, floor, logits_gen, samples["labels"],
                                                      data.manifest["class_names"]),
@@ -133,7 +133,20 @@ def load_sampling(samples_dir: Path) -> dict | None:
     """The sample stage's sampling.json (sampler, network calls per image, guidance), or None for
     samples written before it existed."""
     path = Path(samples_dir) / "sampling.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, "rerun `dvc repro sample`") if path.is_file() else None
+
+
+def read_json(path: Path, fix: str) -> dict:
+    """A JSON object another stage wrote; CheckpointError naming the file and `fix` where it is not one."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found; {fix}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: a JSON {type(value).__name__}, not an object; {fix}")
+    return value
 
 
 def layout(gen: dict, floor: dict, per_class: dict, bpd: dict | None, inception: dict, evaluator: dict,
