@@ -22,7 +22,7 @@ from ddpmrepro.training.code_version import PACKAGE, import_closure, module_file
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-MAX_CODE_DEPS = 13  # "a short list": today's longest (train, evaluate); about 60 entries before
+MAX_CODE_DEPS = 14  # "a short list": today's longest (train, evaluate; 13 before outputs.py, which every stage imports); about 60 entries before
 
 
 def _modules_imported_by(nodes: list[ast.AST]) -> set[str]:

@@ -168,38 +168,6 @@ def write_samples(out_dir: Path, images: np.ndarray, labels: np.ndarray, seeds: 
             files.atomic_write_text(tmp / "sampling.json", json.dumps(sampling, indent=2) + "\n")
 
 
-def read_samples(path: Path, *, num_classes: int, keys=("images", "labels", "seeds"), fix: str,
-                 error=files.CheckpointError) -> dict[str, np.ndarray]:
-    """The arrays `keys` of a samples.npz as `write_samples` (and sample-superres) write them, each
-    checked: uint8 images (N, C, H, W) with N >= 1; labels, N whole numbers, each a class in
-    [0, num_classes), or all -1 (an unconditional model's). Anything else is one line, raised as
-    `error`, naming the file and ending with `fix`, not a traceback or metrics of the wrong thing."""
-    import zipfile
-
-    path = Path(path)
-    if not path.is_file():
-        raise error(f"{path}: not found; {fix}")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            missing = [k for k in keys if k not in z.files]
-            if missing:
-                raise error(f"{path}: no {', '.join(missing)} array ({', '.join(z.files) or 'none'} only); {fix}")
-            arrays = {k: z[k] for k in keys}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
-        raise error(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {fix}") from None
-    images, labels = arrays["images"], arrays["labels"]
-    if images.dtype != np.uint8 or images.ndim != 4 or not len(images):
-        raise error(f"{path}: images are {images.dtype} {list(images.shape)}, not uint8 (N, C, H, W) with N >= 1; {fix}")
-    if labels.dtype.kind not in "iu" or labels.shape != (len(images),):
-        raise error(f"{path}: labels are {labels.dtype} {list(labels.shape)}, not {len(images)} whole numbers, one "
-                    f"per image; {fix}")
-    if not ((labels == -1).all() or ((labels >= 0) & (labels < num_classes)).all()):
-        bad = labels[(labels < 0) | (labels >= num_classes)]
-        raise error(f"{path}: label {int(bad[0])} is not a class of the {num_classes} (nor all -1, an unconditional "
-                    f"model's); {fix}")
-    return arrays
-
-
 def save_grid(images: np.ndarray, labels: np.ndarray, class_names, path: Path, per_row: int = 10) -> None:
     """One row per class, the first `per_row` samples of each, upscaled for viewing."""
     from PIL import Image

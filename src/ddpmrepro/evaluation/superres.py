@@ -33,7 +33,8 @@ from ..model_dir import load_model
 from ..params import Params, ParamsError
 from ..runtime.autocast_network import with_precision
 from ..runtime.memory_layout import memory_layout
-from .sample import bind_labels, check_guidance, image_seed, process, read_samples, run_sampler, save_grid
+from .evaluate import read_samples
+from .sample import bind_labels, check_guidance, image_seed, process, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).
