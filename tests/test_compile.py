@@ -242,7 +242,8 @@ def test_without_a_cxx_compiler_compile_is_one_line_and_nothing_is_written(tmp_p
     params = write_params(tmp_path / "p.yaml", **{stage: {"compile": "blocks"}})
     model = tmp_path / "run" / "model"
     model.mkdir(parents=True)
-    (model / "model.safetensors").write_bytes(b"a finished model")
+    for name in ("model.safetensors", "config.json", "SHA256SUMS"):  # what a finished model directory holds
+        (model / name).write_bytes(b"a finished model")
     if stage == "train":
         cmd = train_cmd(tmp_path / "run", prepared, params, 1)
     else:

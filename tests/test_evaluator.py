@@ -157,7 +157,8 @@ def test_fit_is_deterministic_and_replaces_old_output(tmp_path):
     p = EvaluatorParams(epochs=1, seed=3)
     a, b = tmp_path / "a", tmp_path / "b"
     b.mkdir()
-    (b / "stale.txt").write_text("from an earlier run")
+    for name in ("config.json", "metrics.json", "model.safetensors", "stale.txt"):  # an earlier evaluator's
+        (b / name).write_text("from an earlier run")
     ma = fit_evaluator(xtr, ytr, xte, yte, p, a, num_classes=10, class_names=CLASS_NAMES)
     mb = fit_evaluator(xtr, ytr, xte, yte, p, b, num_classes=10, class_names=CLASS_NAMES)
     assert ma == mb

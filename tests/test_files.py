@@ -23,7 +23,7 @@ from ddpmrepro.outputs import OutputKind, OutputRefused
 SRC = Path(__file__).resolve().parents[1] / "src"
 OLD = {"a.txt": b"old a", "sub/c.txt": b"old c" * 1000, "b.bin": b"\x00old"}
 NEW = {"a.txt": b"new a", "d.txt": b"new d", "sub/e/f.txt": b"new f" * 999}
-KIND = OutputKind("test output", (frozenset({"a.txt"}),))  # what both trees are
+KIND = OutputKind("a test output", (frozenset({"a.txt"}),))  # what both trees are
 
 
 def make(root: Path, tree: dict[str, bytes]) -> Path:

@@ -8,22 +8,23 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ddpmrepro"
 # part -> the parts it may import (besides itself). A part is a subpackage or a top-level module.
 ALLOWED = {
-    "cli": {"params", "respace", "files", "tables", "model_dir", "pipeline", "data", "model", "training", "runtime",
+    "cli": {"params", "respace", "files", "outputs", "tables", "model_dir", "pipeline", "data", "model", "training", "runtime",
             "evaluation", "interop", "__init__", "__version__"},
-    "interop": {"params", "respace", "files", "data", "model", "model_dir"},
+    "interop": {"params", "respace", "files", "outputs", "data", "model", "model_dir"},
     # check_params holds the stages to each other (check_pipeline): the bucket rule of training/, the
     # post-hoc EMA's equations and the model's names; nothing below imports pipeline/.
     "pipeline": {"params", "respace", "files", "tables", "model", "training"},
-    "training": {"params", "respace", "files", "tables", "data", "model", "runtime", "model_dir"},
-    "evaluation": {"params", "respace", "files", "tables", "data", "model", "runtime", "model_dir"},
-    "data": {"params", "respace", "files"},
+    "training": {"params", "respace", "files", "outputs", "tables", "data", "model", "runtime", "model_dir"},
+    "evaluation": {"params", "respace", "files", "outputs", "tables", "data", "model", "runtime", "model_dir"},
+    "data": {"params", "respace", "files", "outputs"},
     "model": {"respace"},
     "runtime": {"files"},
-    "model_dir": {"params", "respace", "files", "model"},
+    "model_dir": {"params", "respace", "files", "outputs", "model"},
     "params": {"respace"},
     "respace": set(),
     "tables": {"files"},
-    "files": set(),
+    "files": {"outputs"},
+    "outputs": set(),
     "__init__": set(),
 }
 

@@ -218,6 +218,7 @@ def test_bad_weighting_keys_exit_2_with_one_line_naming_the_key_and_write_nothin
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"diffusion": diffusion}))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("earlier")
+    (tmp_path / "model" / "SHA256SUMS").write_text("earlier")  # an earlier model directory
     result = CliRunner().invoke(main, ["train", "--params", "params.yaml", "--data", "data", "--out", "model",
                                        "--live", "live", "--introspect", "introspect", "--checkpoints", "ckpt"])
     assert result.exit_code == 2, (result.output, result.exception)
@@ -225,7 +226,7 @@ def test_bad_weighting_keys_exit_2_with_one_line_naming_the_key_and_write_nothin
     assert len(lines) == 1 and lines[0].startswith(f"Error: params.yaml: {message}"), result.stderr
     assert result.stdout == ""
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == \
-        ["model", "model/config.json", "params.yaml"]
+        ["model", "model/SHA256SUMS", "model/config.json", "params.yaml"]
     assert (tmp_path / "model" / "config.json").read_text() == "earlier"
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class OutputKind:
-    name: str  # what the error calls it: "a samples directory (sample, sample-superres)"
+    name: str  # what the error calls it, with its article: "a samples directory (sample, sample-superres)"
     signatures: tuple[frozenset[str], ...]
 
     def recognises(self, names) -> bool:
@@ -33,15 +33,15 @@ def _kind(name: str, *signatures: set[str]) -> OutputKind:
     return OutputKind(name, tuple(frozenset(s) for s in signatures))
 
 
-PREPARED = _kind("prepared dataset (prepare)", {"manifest.json"})
-EVALUATOR = _kind("evaluator directory (fit-evaluator)", {"config.json", "metrics.json", "model.safetensors"})
-MODEL = _kind("model directory (train, import)", {"config.json", "SHA256SUMS"})
+PREPARED = _kind("a prepared dataset (prepare)", {"manifest.json"})
+EVALUATOR = _kind("an evaluator directory (fit-evaluator)", {"config.json", "metrics.json", "model.safetensors"})
+MODEL = _kind("a model directory (train, import)", {"config.json", "SHA256SUMS"})
 # dvclive makes plots/ at the first logged step; the import-only train stage makes it too.
-TRAIN_LOG = _kind("dvclive directory (train --live)", {"plots"})
-INTROSPECTION = _kind("introspection directory (train --introspect)", {"steps.tsv"}, {"steps"}, {"param_grads"},
+TRAIN_LOG = _kind("a dvclive directory (train --live)", {"plots"})
+INTROSPECTION = _kind("an introspection directory (train --introspect)", {"steps.tsv"}, {"steps"}, {"param_grads"},
                       {"act_grads"}, {"noise_levels"}, {"loss_weight"})
-SAMPLES = _kind("samples directory (sample, sample-superres)", {"samples.npz"})
-DIFFUSERS = _kind("diffusers pipeline folder (export)", {"model_index.json"})
+SAMPLES = _kind("a samples directory (sample, sample-superres)", {"samples.npz"})
+DIFFUSERS = _kind("a diffusers pipeline folder (export)", {"model_index.json"})
 
 
 class OutputRefused(ValueError):
@@ -64,7 +64,7 @@ def replace_refusal(path: Path, kind: OutputKind) -> str | None:
     names = os.listdir(path)
     if not names or kind.recognises(names):
         return None
-    return (f"is not empty and is not a {kind.name} (it has no {kind.describe_signatures()}); the output "
+    return (f"is not empty and is not {kind.name} (it has no {kind.describe_signatures()}); the output "
             "replaces its directory whole, which would delete what is there: name a new or empty "
             "directory, or remove this one first")
 
