@@ -92,6 +92,8 @@ def test_the_snakefile_check_brings_the_resolved_files_up_to_date(tmp_path):
 
 SRC_PACKAGE = SRC / "ddpmrepro"
 BY_PARAMS = {  # site -> [(params.yaml, the key the one line names)]
+    "evaluation/sample.py:check_guidance#1": [({"train": {"label_dropout": 0.0}, "sample": {"guidance": 0.5}},
+                                               "sample.guidance")],
     "model_dir.py:load_model": [({"sample": {"ema_rate": 0.99}}, "sample.ema_rate")],
     "model_dir.py:check_snapshots#0": [({"train": {"posthoc_ema": []}, "sample": {"ema_length": 0.08}},
                                         "sample.ema_length=0.08")],
@@ -126,7 +128,7 @@ BY_OTHER_INPUTS = {  # site -> what it reads besides params.yaml
     "model_dir.py:check_snapshots#3": "the snapshot files (one missing)",
     "model_dir.py:reconstruct#0": "the snapshots' update counts (every step skipped under fp16)",
     "model_dir.py:reconstruct#2": "the snapshot files' tensors",
-    "evaluation/sample.py:check_guidance": "the imported model's config.json (whether it has a trained null label)",
+    "evaluation/sample.py:check_guidance#0": "the imported model's config.json (whether it has a trained null label)",
     "evaluation/sample.py:sample": "which command samples the model (sample or sample-superres): the cascade's "
                                    "stages, not params.yaml",
     "evaluation/superres.py:low_res_inputs#0": "the command line (--data)",
@@ -210,14 +212,50 @@ def test_the_default_patterns_match_every_preset_so_check_params_skips_building_
             ActivationGradRecorder(model, ip.modules, dump_modules=ip.dump_modules).close()
 
 
-def test_checking_the_default_params_imports_no_torch(tmp_path):
-    """The Snakefile checks params.yaml every time Snakemake reads it."""
+def test_checking_params_whose_network_was_checked_imports_no_torch(tmp_path):
+    """The Snakefile checks params.yaml every time Snakemake reads it. The network is built (torch,
+    seconds) when a section it depends on differs from the resolved files of the last check that
+    passed; an edit elsewhere (train.lr) is checked without torch."""
     code = ("import sys; from ddpmrepro.pipeline.check_params import check_params_file; "
-            "check_params_file('params.yaml', 'resolved'); assert 'torch' not in sys.modules, 'torch imported'")
-    (tmp_path / "params.yaml").write_text((SRC.parent / "params.yaml").read_text())
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(SRC)})
-    assert proc.returncode == 0, proc.stderr
+            "check_params_file('params.yaml', 'resolved'); print('torch' in sys.modules)")
+
+    def torch_imported() -> bool:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(SRC)})
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip() == "True"
+
+    raw = yaml.safe_load((SRC.parent / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert torch_imported()  # no resolved files yet: built
+    assert not torch_imported()
+    raw["train"]["lr"] = 1e-3
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert not torch_imported()
+    raw["model"]["channels"] = 64
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    assert torch_imported() and not torch_imported()
+
+
+@pytest.mark.parametrize("model, data, words", [
+    ({"num_head_channels": 7}, {}, "model: attention over 32 channels cannot be split into heads of 7"),
+    ({"channel_mult": [1, 2, 2, 2, 2]}, {}, "model: image_size 8 is not divisible by 16, which 5 levels"),
+    ({}, {"image_size": 9}, "model: image_size 9 is not divisible by "),
+])
+def test_a_network_train_would_refuse_is_refused_with_the_resolved_files_untouched(tmp_path, model, data, words):
+    """These passed the check and DVC removed models/ddpm, the dvclive files and the gradient tables
+    before train refused them (num_head_channels: 7 is a one-character edit of params.yaml)."""
+    raw = yaml.safe_load((SRC.parent / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    check_params_file(tmp_path / "params.yaml", tmp_path / "resolved")
+    before = {p: p.read_bytes() for p in (tmp_path / "resolved").iterdir()}
+    raw["model"].update(model)
+    raw["data"].update(data)
+    proc = check(tmp_path, yaml.safe_dump(raw))
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("Error: params.yaml: model: "), proc.stderr
+    assert words in lines[0], lines[0]
+    assert {p: p.read_bytes() for p in (tmp_path / "resolved").iterdir()} == before
 
 
 @pytest.mark.parametrize("path", ["params.yaml", *sorted(f"configs/{p.name}" for p in (SRC.parent / "configs").glob("*.yaml")),

@@ -248,3 +248,18 @@ def test_a_killed_agents_work_directory_is_removed_by_the_next_agent(tmp_path, m
                            "from ddpmrepro.runtime import torchrun; print(torchrun._host())"],
                           capture_output=True, text=True, check=True).stdout.strip()
     assert work == host and "@" not in host
+
+
+def test_device_cuda_without_a_visible_gpu_names_the_device_key(monkeypatch):
+    """It said "train.nproc=1 processes need 1 GPUs but 0 are visible; lower train.nproc": the key to
+    change is the device."""
+    import torch
+
+    from ddpmrepro.runtime.launch import LaunchError, check_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for key in ("train.nproc", "sample.nproc"):
+        with pytest.raises(LaunchError, match=rf"^{key.split('.')[0]}\.device: cuda, but no CUDA device is visible "
+                                              r"here; set it to auto \(a GPU where there is one\) or cpu"):
+            check_devices("cuda", 1, key=key, claim=False)
+    assert check_devices("auto", 1, claim=False)  # auto runs on the CPU

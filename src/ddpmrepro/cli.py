@@ -179,7 +179,7 @@ def check_params(params_path: Path, out: Path, data_dir: Path) -> None:
 
     params = _load_params(params_path)
     try:
-        check_pipeline(params, data_dir)
+        check_pipeline(params, data_dir, checked=out)
     except P.ParamsError as e:
         raise ParamsFileError(f"{params_path}: {e}") from None
     try:  # not @user_errors: that imports torch, seconds for a stage that runs on every params edit

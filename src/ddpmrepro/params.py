@@ -46,8 +46,9 @@ class DataParams:
                          "packages; the others are read from `root`.")
     root: str = _f("data/raw", doc="Where mnist, fashion_mnist, cifar10 and image_folder files live (unused by "
                                    "digits and mnist5k).")
-    image_size: int = _f(8, min=4, max=1024, doc="Output side length in pixels (resized with LANCZOS on the "
-                                                 "shorter side, then centre-cropped).")
+    image_size: int = _f(8, min=8, max=1024, doc="Output side length in pixels (resized with LANCZOS on the "
+                                                 "shorter side, then centre-cropped); at least 8, the evaluator's "
+                                                 "smallest input.")
     channels: int = _f(1, choices=(1, 3), doc="1 = grey, 3 = RGB (grey is replicated, colour converted to luma).")
     test_fraction: float = _f(0.2, min=0.0, max=0.9, min_exclusive=True,
                               doc="Held-out share per class, for sources without their own test split.")

@@ -85,10 +85,17 @@ def process(trained_diffusion, p: SampleParams, model_dir: Path):
 
 
 def check_guidance(p: SampleParams, config: dict, model_dir: Path) -> None:
-    """Guidance needs a trained null label: an imported improved-/guided-diffusion model has none."""
+    """Guidance needs a trained null label: an imported improved-/guided-diffusion model has none, nor
+    has a model trained with train.label_dropout: 0 (the null label never replaced a class)."""
     if p.guidance and config.get("source", {}).get("untrained_null_label"):
         raise ParamsError(f"sample.guidance={p.guidance:g}: {model_dir} was imported from a model without a null "
                           "label (docs/MODELS.md), so guidance means nothing; set sample.guidance: 0")
+    trained = config.get("params", {})
+    if p.guidance and not config.get("source") and trained.get("model", {}).get("class_cond", True) \
+            and trained.get("train", {}).get("label_dropout") == 0:
+        raise ParamsError(f"sample.guidance={p.guidance:g}: {model_dir} was trained with train.label_dropout: 0, so "
+                          "its null label was never trained and guidance means nothing; set sample.guidance: 0, or "
+                          "retrain with label_dropout > 0 (0.1 is usual)")
 
 
 def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:

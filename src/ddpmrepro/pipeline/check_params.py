@@ -45,10 +45,9 @@ def write_resolved(params: Params, out_dir: Path) -> list[Path]:
     file keeps its mtime, which Snakemake reads); returns the files written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    resolved = params.to_dict()
     written = []
     for name, path in section_files(out_dir).items():
-        text = HEADER + yaml.safe_dump({name: resolved[name]}, sort_keys=False)
+        text = resolved_text(params, name)
         if not path.is_file() or path.read_text() != text:
             atomic_write_text(path, text)  # whole or absent
             written.append(path)
@@ -74,13 +73,27 @@ def check_ema_length(length: float, at_step: int, train) -> None:
                           "train.posthoc_ema_snapshots)")
 
 
-def check_introspect_patterns(params: Params, num_classes: int | None) -> None:
-    """`introspect.params` and `introspect.modules` each match something in the model `train` builds
-    (on the meta device: names, no memory). torch is imported only for patterns other than the
-    defaults, which match every preset (tests/test_check_params.py): a params edit is checked in
-    well under a second."""
-    ip, defaults = params.introspect, type(params.introspect)()
-    if (ip.params, ip.modules, ip.dump_modules) == (defaults.params, defaults.modules, defaults.dump_modules):
+# What the network `train` builds depends on, and the introspection patterns matched against it.
+MODEL_SECTIONS = ("data", "model", "superres", "diffusion", "introspect")
+
+
+def resolved_text(params: Params, section: str) -> str:
+    """`<section>.yaml` as write_resolved writes it."""
+    return HEADER + yaml.safe_dump({section: params.to_dict()[section]}, sort_keys=False)
+
+
+def check_model(params: Params, num_classes: int | None, checked: Path | None = None) -> None:
+    """Builds the network `train` builds from these params on the meta device (names and shapes, no
+    memory), so that what its constructor refuses (attention heads that do not divide a level's
+    width, an image size its levels cannot halve) and `introspect.params`/`modules` patterns that
+    match nothing are refused here, before DVC removes train's outputs, not by train after.
+
+    It imports torch (seconds, on every Snakemake parse), so it is skipped where `checked` (this
+    stage's resolved files) already holds every section the network depends on as it is now: only
+    a check that passed wrote them (tests/test_check_params.py)."""
+    if checked is not None and all((Path(checked) / f"{name}.yaml").is_file()
+                                   and (Path(checked) / f"{name}.yaml").read_text() == resolved_text(params, name)
+                                   for name in MODEL_SECTIONS):
         return
     import torch
 
@@ -91,10 +104,13 @@ def check_introspect_patterns(params: Params, num_classes: int | None) -> None:
     shape = dict(image_size=params.data.image_size, in_channels=params.data.channels,
                  num_classes=num_classes or 10,  # the class count sizes an embedding, never a name
                  learn_sigma=params.diffusion.variance == "learned_range")
-    with torch.device("meta"):
-        model = build_superres(params.model, params.superres, **shape) if params.superres.low_res else \
-            build_unet(params.model, **shape)
-    gradient_recorders(model, ip)[1].close()  # the recorders train builds: the same refusals
+    try:
+        with torch.device("meta"):
+            model = build_superres(params.model, params.superres, **shape) if params.superres.low_res else \
+                build_unet(params.model, **shape)
+    except ValueError as e:  # the constructor's own words name the values
+        raise ParamsError(f"model: {e}") from None
+    gradient_recorders(model, params.introspect)[1].close()  # the recorders train builds: the same refusals
 
 
 def check_noise_buckets(params: Params) -> None:
@@ -123,10 +139,11 @@ def prepared_manifest(params: Params, data_dir: Path | None) -> dict | None:
     return manifest if manifest.get("params") == params.to_dict()["data"] else None
 
 
-def check_pipeline(params: Params, data_dir: Path | None = None) -> None:
+def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path | None = None) -> None:
     """What the stages would refuse of each other, as the pipeline chains them (one ParamsError line):
     `sample` and `evaluate` read the run that `train` makes from the same file, `train` reads the data
-    `prepare` made (its manifest, where it is already there)."""
+    `prepare` made (its manifest, where it is already there) and builds its network from the file.
+    `checked`: the resolved files of the last check that passed (`check_model` skips what they hold)."""
     s, t = params.sample, params.train
     check_noise_buckets(params)
     if s.ema_length:
@@ -136,6 +153,9 @@ def check_pipeline(params: Params, data_dir: Path | None = None) -> None:
         raise ParamsError(f"sample.ema_rate: {s.ema_rate:g} is not one of train.ema_rates "
                           f"({', '.join(f'{r:g}' for r in t.ema_rates)}), so no such weights are trained; "
                           "pick one of those, or 0 for the raw weights")
+    if s.guidance and t.label_dropout == 0 and params.model.class_cond and not t.import_from:
+        raise ParamsError(f"sample.guidance: {s.guidance:g} needs the null label, which train.label_dropout: 0 never "
+                          "trains; set sample.guidance: 0, or train.label_dropout > 0 (0.1 is usual)")
     sr = params.superres
     if sr.low_res and sr.project and params.data.image_size % sr.low_res:
         raise ParamsError(f"superres.project: data.image_size {params.data.image_size} is not a whole multiple of "
@@ -147,7 +167,7 @@ def check_pipeline(params: Params, data_dir: Path | None = None) -> None:
         if per_rank < t.batch_per_proc:
             raise ParamsError(f"train.batch_per_proc={t.batch_per_proc} is larger than this rank's {per_rank} "
                               f"training images ({data_dir}); lower it")
-    check_introspect_patterns(params, manifest["num_classes"] if manifest else None)
+    check_model(params, manifest["num_classes"] if manifest else None, checked)
 
 
 def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | None = None,
@@ -161,7 +181,7 @@ def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | No
     """
     try:
         params = load(path)
-        check_pipeline(params, Path(data_dir) if data_dir else None)
+        check_pipeline(params, Path(data_dir) if data_dir else None, Path(out_dir) if out_dir else None)
     except ParamsError as e:
         msg = str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
         print(f"Error: {msg}", file=sys.stderr)

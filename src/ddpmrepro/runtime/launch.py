@@ -96,6 +96,9 @@ def check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: b
         if claim:
             cpu_slots.claim(nproc)
         return True
+    if device == "cuda" and have == 0:  # the key to change is the device, not the process count
+        raise LaunchError(f"{key.split('.')[0]}.device: cuda, but no CUDA device is visible here; set it to auto "
+                          "(a GPU where there is one) or cpu, or run on a GPU machine")
     if nproc > have:
         raise LaunchError(f"{key}={nproc} processes need {nproc} GPUs but {have} are visible; "
                           f"lower {key} or set CUDA_VISIBLE_DEVICES")
