@@ -15,8 +15,9 @@ changes, so a failed check touches nothing at all.
 Besides what `params.load` checks (each key, and the keys one stage reads together), the check here
 holds the stages to each other as the pipeline chains them (`check_pipeline`): the run `sample`
 reads is the one `train` made with this very file, so a post-hoc EMA length the run keeps no
-snapshots for, a fixed-rate EMA it does not train, or an introspection pattern that matches no
-module of the model it builds are refused now, not after training (tests/test_check_params.py holds
+snapshots for, a fixed-rate EMA it does not train, a network its constructor refuses, or an
+introspection pattern that matches no module of the model it builds are refused now, not after
+training (tests/test_check_params.py holds
 every stage-time refusal that depends on the params alone to a case this check refuses).
 """
 from __future__ import annotations
