@@ -588,13 +588,13 @@ def test_an_output_option_at_a_directory_it_would_destroy_is_one_line_before_any
     (trainable / "thesis" / "chapter1.tex").write_text("years of work")
     before = snapshot(trainable)
     result = cli(stage, "--params", "params.yaml", *with_option(stage, option, "thesis"))
-    assert_one_line_error(result, 1, f"Error: {option} thesis: is not empty and is not a ",
+    assert_one_line_error(result, 1, f"Error: {option} thesis: is not empty and is not a",
                           "name a new or empty directory, or remove this one first")
     result = cli(stage, "--params", "params.yaml", *with_option(stage, option, "."))
     assert_one_line_error(result, 1, f"Error: {option} .: is the working directory; ")
     other = "model" if (stage, option) != ("train", "--out") else "samples"
     result = cli(stage, "--params", "params.yaml", *with_option(stage, option, other))
-    assert_one_line_error(result, 1, f"Error: {option} {other}: is not empty and is not a ")
+    assert_one_line_error(result, 1, f"Error: {option} {other}: is not empty and is not a")
     assert snapshot(trainable) == before  # nothing trained, sampled or written
 
 
