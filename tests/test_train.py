@@ -566,7 +566,8 @@ def test_nonfinite_step_errors_saving_nothing_after_it_then_skip_resumes_as_a_sk
     # model is written and the previous outputs are left as they were.
     run = tmp_path / "run"
     (run / "model").mkdir(parents=True)
-    (run / "model" / "model.safetensors").write_bytes(b"weights of an earlier run")
+    for name in ("SHA256SUMS", "config.json", "model.safetensors"):  # an earlier run's model directory
+        (run / "model" / name).write_bytes(b"weights of an earlier run")
     poison_loss(monkeypatch, at_call=4)
     result = cli_train(run, prepared, write_params(tmp_path / "error.yaml", train={**NONFINITE, "precision": precision}))
     assert result.exit_code == 1
@@ -576,7 +577,7 @@ def test_nonfinite_step_errors_saving_nothing_after_it_then_skip_resumes_as_a_sk
     assert result.stderr.splitlines()[-1] == errors[0]
     assert sorted(checkpoints(run)) == [1, 2, 3]
     assert all(torch.isfinite(t.float()).all() for t in tensors(checkpoints(run)[3]))
-    assert [f.name for f in (run / "model").iterdir()] == ["model.safetensors"]
+    assert sorted(f.name for f in (run / "model").iterdir()) == ["SHA256SUMS", "config.json", "model.safetensors"]
     assert (run / "model" / "model.safetensors").read_bytes() == b"weights of an earlier run"
     assert not (run / "live").exists() and not (run / "introspect").exists()
 
