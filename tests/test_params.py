@@ -112,3 +112,17 @@ def test_docs_params_md_is_generated_from_the_dataclasses_and_current():
             shown = row.split(" | ")[2].strip("`")
             assert yaml.safe_load(shown if shown != "''" else '""') == default, row
     assert "docs/PARAMS.md" in (ROOT / "params.yaml").read_text()
+
+
+def test_a_key_given_twice_is_one_line_naming_it_and_its_line(tmp_path):
+    """PyYAML keeps the last of two `lr:` silently; DVC refuses the file, so the stages run alone must too."""
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  lr: 0.1\n  steps: 3\n  lr: 0.2\nsample:\n  seed: 1\n")
+    with pytest.raises(P.ParamsError, match=r"params.yaml: line 4 is not valid YAML \(the key 'lr' is given twice "
+                                            r"in one section\)"):
+        P.load(path)
+    path.write_text("train:\n  lr: 0.1\nsample:\n  seed: 1\nsample:\n  seed: 2\n")
+    with pytest.raises(P.ParamsError, match=r"line 5 is not valid YAML \(the key 'sample' is given twice"):
+        P.load(path)
+    path.write_text("train:\n  lr: 0.1\nsample:\n  seed: 1\n")  # the same keys in different sections are fine
+    assert P.load(path).train.lr == 0.1

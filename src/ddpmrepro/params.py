@@ -624,13 +624,29 @@ def from_dict(raw: Any) -> Params:
     return _build(Params, raw, "")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: PyYAML keeps the last silently, so
+    `lr` set twice in `train:` ran with whichever came second (DVC's own parser refuses it, so the
+    stages, run alone, must too)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one section", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(path: str | Path = "params.yaml") -> Params:
     """Loads and validates params.yaml; raises ParamsError with a one-line message."""
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: file not found; run from the project root or pass --params PATH")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
