@@ -82,7 +82,7 @@ def user_errors(fn):
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)
 
 
-def writes(**outputs: str | OutputKind):
+def writes(**declared: str | OutputKind):
     """Declares a command's output options (parameter name -> "file", "dir" (written into) or the
     OutputKind of a directory replaced whole) and checks, before the command does any work, that
     each can be written, and that replacing a directory destroys nothing but an earlier output of
@@ -91,7 +91,7 @@ def writes(**outputs: str | OutputKind):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             options = {p.name: p.opts[0] for p in click.get_current_context().command.params}
-            for name, kind in outputs.items():
+            for name, kind in declared.items():
                 problem = output_problem(Path(kwargs[name]), kind)
                 if problem:
                     raise click.ClickException(f"{options[name]} {kwargs[name]}: {problem}")
@@ -101,7 +101,7 @@ def writes(**outputs: str | OutputKind):
                 # A write that fails on an open file (disk full, quota, I/O error) carries no file name.
                 if e.filename is not None or e.errno not in _WRITE_ERRNOS:
                     raise
-                written = ", ".join(f"{options[name]} {kwargs[name]}" for name in outputs)
+                written = ", ".join(f"{options[name]} {kwargs[name]}" for name in declared)
                 raise click.ClickException(f"{e.strerror} while writing {written}") from None
         return wrapper
     return decorate
