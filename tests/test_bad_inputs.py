@@ -379,12 +379,30 @@ def _one_param_group_more(state):
     return {**state["optimizer"], "param_groups": [*groups, {**groups[0], "params": []}]}
 
 
+def _averages_changed(key: str, change):
+    """The checkpoint's `key` (ema or phema) with `change` applied to the first tensor of its first
+    average."""
+    def edit(state):
+        averages = dict(state[key]["averages"])
+        first = next(iter(averages))
+        avg = dict(averages[first])
+        name = next(iter(avg))
+        averages[first] = {**avg, name: change(avg[name])}
+        return {**state[key], "averages": averages}
+    return edit
+
+
 CHECKPOINT_CASES = {
     # it resumed "from step 100" and exported the step-3 state as the finished model, exit 0
     "step-not-its-name": (lambda p: _resigned(p, step=lambda s: 100), "holds step 100, but its name says"),
     "step-a-string": (lambda p: _resigned(p, step=lambda s: "abc"), "holds step 'abc', but its name says"),
     "optimizer-of-another-shape": (lambda p: _resigned(p, optimizer=_one_param_group_more),
                                    "its optimizer state does not fit this run"),
+    # both loaded silently; the first EMA update after the resume failed inside torch
+    "phema-average-of-another-shape": (lambda p: _resigned(p, phema=_averages_changed("phema", lambda v: v[:1])),
+                                       "its phema state does not fit this run (the average's "),
+    "ema-average-in-fp16": (lambda p: _resigned(p, ema=_averages_changed("ema", lambda v: v.half())),
+                            "torch.float16; it must be"),
     "truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "sha256 mismatch"),
     "flipped-bit": (_flip_a_byte, "sha256 mismatch"),
     "wrong-sidecar": (lambda p: p.with_suffix(".sha256").write_text("0" * 64 + "\n"), "sha256 mismatch"),

@@ -44,6 +44,7 @@ def test_every_section_matches_the_dataclass_defaults_keys():
     ({"introspect": {"dump_steps": [20], "dump_modules": ["out"]}, "train": {"steps": 10}},
      "introspect.dump_steps[0]: step 20 is after the last step (train.steps: 10)"),
     ({"introspect": {"dump_steps": [5]}}, "introspect.dump_steps: nothing is dumped without introspect.dump_modules"),
+    ({"train": {"label_dropout": 1.0}}, "train.label_dropout: 1 replaces every label with the null class"),
 ])
 def test_bad_values_name_the_key_path(raw, message):
     with pytest.raises(P.ParamsError) as e:
@@ -126,3 +127,12 @@ def test_a_key_given_twice_is_one_line_naming_it_and_its_line(tmp_path):
         P.load(path)
     path.write_text("train:\n  lr: 0.1\nsample:\n  seed: 1\n")  # the same keys in different sections are fine
     assert P.load(path).train.lr == 0.1
+
+
+@pytest.mark.parametrize("raw", [{"train": {"label_dropout": 1.0}, "model": {"class_cond": False}},
+                                 {"train": {"label_dropout": 1.0, "import_from": "some/model"}},
+                                 {"train": {"label_dropout": 0.99}}])
+def test_label_dropout_of_one_only_where_no_class_embedding_trains(raw):
+    # An unconditional model has no class table; an imported one is not trained here; 0.99 still
+    # trains each class embedding on a share of the steps.
+    assert P.from_dict(raw).train.label_dropout == raw["train"]["label_dropout"]

@@ -565,6 +565,12 @@ def _check_cross_field(obj, path: str) -> None:
             raise ParamsError("train.cuda_graphs: not with model.grad_checkpoint, whose recomputation reads the RNG "
                               "state on the host inside the backward; a graph pays where the step is small, "
                               "checkpointing where memory is short: turn one off")
+        if obj.train.label_dropout == 1.0 and obj.model.class_cond and not obj.train.import_from:
+            # Every label replaced by the null class: the class embeddings never train, and the samples
+            # drawn "per class" are one unconditional model's, scored as if conditioned.
+            raise ParamsError("train.label_dropout: 1 replaces every label with the null class, so the class "
+                              "embeddings of this class-conditional model never train; lower it (0.1 is usual), "
+                              "or set model.class_cond: false for an unconditional model")
         # Introspection steps count completed updates, 1..train.steps; a later one would never be recorded.
         for key in ("steps", "dump_steps"):
             for i, st in enumerate(getattr(obj.introspect, key)):
@@ -712,6 +718,8 @@ def markdown() -> str:
            "- `train.ema_rates`: at least one, each in (0, 1); `train.posthoc_ema`: no length twice; "
            "`model.channel_mult`: not empty;",
            "- `sample.thresholding: dynamic` needs a fast solver; `sample.churn` > 0 needs `sampler: heun`;",
+           "- `train.label_dropout: 1` only with `model.class_cond: false` (or `train.import_from`): it would "
+           "leave the class embeddings untrained;",
            "- `diffusion.min_snr_gamma`, `p2_k`, `p2_gamma` only with their `loss_weighting`, and no weighting with "
            "`loss: kl`.", ""]
     for section, cls in typing.get_type_hints(Params).items():

@@ -26,6 +26,22 @@ def init_ema(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
 
+def check_average(ema: dict, state: dict[str, torch.Tensor]) -> None:
+    """An average (one read back from a checkpoint) must hold an fp32 tensor of each weight's shape
+    for every tensor of the model and nothing else: otherwise the first update after a resume fails
+    inside torch, or a snapshot is written of another network. ValueError names the tensor."""
+    if not isinstance(ema, dict) or set(ema) != set(state):
+        keys = set(ema) if isinstance(ema, dict) else set()
+        odd = sorted(keys ^ set(state))
+        raise ValueError(f"the average holds other tensors than the model ({', '.join(odd[:3]) or type(ema).__name__}"
+                         f"{', ...' if len(odd) > 3 else ''})")
+    for k, v in ema.items():
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.float32 or v.shape != state[k].shape:
+            got = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"the average's {k} is {got}; it must be {tuple(state[k].shape)} torch.float32, "
+                             "as the model's weight")
+
+
 class EmaUpdater:
     """ema <- decay * ema + (1 - decay) * weights, fused over all floating tensors.
 
@@ -36,6 +52,7 @@ class EmaUpdater:
 
     def __init__(self, ema: dict[str, torch.Tensor], model: nn.Module):
         state = model.state_dict()
+        check_average(ema, state)
         floats = [k for k, v in ema.items() if v.is_floating_point()]
         self.targets = [ema[k] for k in floats]
         self.sources = [state[k].detach() for k in floats]
