@@ -214,7 +214,7 @@ def damage_largest_record(pt: Path, out: Path) -> str:
 
 
 @pytest.mark.parametrize("case", ["truncated", "damaged", "missing", "unexpected", "shape", "other-architecture",
-                                  "code", "not-a-state-dict", "nan"])
+                                  "code", "not-a-state-dict", "nan", "integers"])
 def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case, tmp_path, monkeypatch):
     root, theirs, pt = small_id
     monkeypatch.chdir(root)
@@ -246,6 +246,9 @@ def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case,
         nan[0, 0, 0, 0] = float("nan")
         torch.save({**state, "out.2.weight": nan}, bad)
         expected = [str(bad), "holds NaN or infinite values", "not imported"]
+    elif case == "integers":  # was cast to float32 and imported without a word
+        torch.save({**state, "out.2.weight": state["out.2.weight"].round().long()}, bad)
+        expected = [str(bad), "out.2.weight holds int64 values, not floating-point weights"]
     elif case == "code":
         with open(bad, "wb") as f:
             torch.save({"x": torch.zeros(1), "payload": Payload(marker)}, f, pickle_protocol=2)
@@ -558,7 +561,8 @@ def test_an_unconditional_export_runs_in_ddpmpipeline(tiny_model_dir, tmp_path, 
     assert images.shape == (2, 8, 8, 1) and ((images >= 0) & (images <= 1)).all()
 
 
-@pytest.mark.parametrize("case", ["truncated", "damaged-bin", "other-class", "block-type", "missing", "no-config"])
+@pytest.mark.parametrize("case", ["truncated", "damaged-bin", "other-class", "block-type", "missing", "integers",
+                                  "no-config"])
 def test_a_bad_diffusers_folder_stops_with_one_line_and_writes_nothing(tiny_model_dir, case, tmp_path, monkeypatch):
     import shutil
 
@@ -588,6 +592,12 @@ def test_a_bad_diffusers_folder_stops_with_one_line_and_writes_nothing(tiny_mode
         del state["mid_block.attentions.0.to_k.weight"]
         save_file(state, weights)
         expected = ["mid_block.attentions.0.to_k.weight", "missing"]
+    elif case == "integers":
+        from safetensors.torch import load_file, save_file
+        state = load_file(weights)
+        state["conv_out.weight"] = (state["conv_out.weight"] * 100).to(torch.int32)
+        save_file(state, weights)
+        expected = [str(weights), "conv_out.weight holds int32 values, not floating-point weights"]
     else:
         config_path.unlink()
         expected = ["no config.json"]

@@ -24,7 +24,7 @@ import math
 import torch
 
 from ..model.unet import AttentionBlock, Downsample, ResBlock, UNet, Upsample
-from . import ConversionError
+from . import ConversionError, float_weights
 
 RES_NAMES = {"in_layers.0": "norm1", "in_layers.2": "conv1", "emb_layers.1": "time_emb_proj", "out_norm": "norm2",
              "out_layers.2": "conv2", "skip": "conv_shortcut"}
@@ -110,7 +110,7 @@ def from_diffusers(state: dict[str, torch.Tensor], model: UNet, *, source: str) 
                               "type or option ddpmrepro's UNet does not have")
     ours = {}
     for key, names in wanted.items():
-        parts = [state[n].detach().to(torch.float32) for n in names]
+        parts = [float_weights(state[n], n, source) for n in names]
         v = torch.cat(parts) if len(parts) == 3 else parts[0]
         if expected[key].ndim == 3 and v.ndim == 2:
             v = v[..., None]

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..model.unet import AttentionBlock, ResBlock, UNet
-from . import ConversionError
+from . import ConversionError, float_weights
 
 # (ours, theirs) inside a residual block.
 RES_RENAMES = (("out_norm", "out_layers.0"), ("out_layers.2", "out_layers.3"), ("skip", "skip_connection"))
@@ -90,10 +90,7 @@ def to_ours(state: dict[str, torch.Tensor], model: UNet, *, source: str, attenti
                               "another resolution, class_cond)")
     ours = {}
     for key, theirs in mapping.items():
-        v = state[theirs]
-        if not isinstance(v, torch.Tensor):
-            raise ConversionError(f"{source}: {theirs} is a {type(v).__name__}, not a tensor")
-        v = v.detach().to(torch.float32)
+        v = float_weights(state[theirs], theirs, source)
         if key == "label_embed.weight" and v.ndim == 2:
             v = torch.cat([v, torch.zeros(1, v.shape[1])])  # the null label, never trained: zero
         if v.shape != expected[key].shape:
