@@ -28,8 +28,9 @@ with open("params.yaml") as _f:
 
 # A bad params.yaml stops Snakemake here, before any job starts (and DVC removes an output).
 # The main process also brings reports/params/ (check_params' outputs, the --out of its command
-# in dvc.yaml) up to date, so DVC's status already shows what a params edit makes stale.
-check_params_file("params.yaml", "reports/params" if workflow.is_main_process else None)
+# in dvc.yaml) up to date, so DVC's status already shows what a params edit makes stale; a job's
+# own parse only reads them (where they match, it skips building the network: no torch import).
+check_params_file("params.yaml", "reports/params", write=workflow.is_main_process)
 
 
 include: "workflow/rules/slurm.smk"

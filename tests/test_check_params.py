@@ -217,18 +217,22 @@ def test_checking_params_whose_network_was_checked_imports_no_torch(tmp_path):
     seconds) when a section it depends on differs from the resolved files of the last check that
     passed; an edit elsewhere (train.lr) is checked without torch."""
     code = ("import sys; from ddpmrepro.pipeline.check_params import check_params_file; "
-            "check_params_file('params.yaml', 'resolved'); print('torch' in sys.modules)")
+            "check_params_file('params.yaml', 'resolved', write={write}); print('torch' in sys.modules)")
 
-    def torch_imported() -> bool:
-        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(SRC)})
+    def torch_imported(write: bool = True) -> bool:
+        proc = subprocess.run([sys.executable, "-c", code.format(write=write)], cwd=tmp_path, capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip() == "True"
 
     raw = yaml.safe_load((SRC.parent / "params.yaml").read_text())
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
-    assert torch_imported()  # no resolved files yet: built
-    assert not torch_imported()
+    # A job's parse (write=False: the Snakefile's in each job process, a process per SLURM job)
+    # reads the resolved files and writes none: with none there, it builds the network, each time.
+    assert torch_imported(write=False) and torch_imported(write=False)
+    assert not (tmp_path / "resolved").exists()
+    assert torch_imported()  # the main process: built, and the resolved files written
+    assert not torch_imported() and not torch_imported(write=False)
     raw["train"]["lr"] = 1e-3
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     assert not torch_imported()

@@ -172,13 +172,15 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
 
 
 def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | None = None,
-                      data_dir: str | Path | None = "data/prepared") -> Params:
+                      data_dir: str | Path | None = "data/prepared", *, write: bool = True) -> Params:
     """For the Snakefile: a bad params file exits as the stages do (one line, exit code 2).
 
     With `out_dir` (the check_params stage's --out), the resolved files are also brought up to
     date, so that DVC's status, which the Snakefile asks next, already shows which stages a
     params edit makes stale (their resolved section changed); the check_params job then only
-    records what is there.
+    records what is there. `write=False` (each job's own parse of the Snakefile, on SLURM a
+    process per job) only reads them: where they hold the network's sections as they are, the
+    network is not built again (no torch import per job).
     """
     try:
         params = load(path)
@@ -187,6 +189,6 @@ def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | No
         msg = str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
         print(f"Error: {msg}", file=sys.stderr)
         raise SystemExit(2) from None
-    if out_dir is not None:
+    if out_dir is not None and write:
         write_resolved(params, Path(out_dir))
     return params
