@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from ddpmrepro.cli import main
 
-STAGES = ["prepare", "fit-evaluator", "train", "sample", "evaluate", "report"]
+STAGES = ["prepare", "fit-evaluator", "train", "sample", "bits-per-dim", "evaluate", "report"]
 
 
 def test_group_help_lists_every_stage():

@@ -79,7 +79,7 @@ def test_the_html_table_shows_each_headline_value_with_its_floor_and_each_class(
 def test_a_damaged_json_of_another_stage_is_one_line_naming_it(tmp_path):
     """The evaluator's and dvclive's metrics.json, sampling.json: invalid JSON was
     "Error: Expecting property name enclosed in double quotes", naming no file."""
-    from ddpmrepro.evaluation.evaluate import read_json
+    from ddpmrepro.files import read_json
     from ddpmrepro.files import CheckpointError
 
     path = tmp_path / "metrics.json"

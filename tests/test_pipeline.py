@@ -44,7 +44,7 @@ def repo(tiny_pipeline) -> Path:
     return tiny_pipeline.repo  # tests/conftest.py: built and run once, shared with tests/test_browser.py
 
 
-STAGES = {"check_params", "prepare", "fit_evaluator", "train", "sample", "evaluate", "report"}
+STAGES = {"check_params", "prepare", "fit_evaluator", "train", "sample", "bits_per_dim", "evaluate", "report"}
 HEADLINE = ["class_acc", "fid", "floor_fid", "precision", "recall", "bpd", "loss", "evaluator_acc"]
 
 
@@ -99,6 +99,43 @@ def test_second_repro_is_a_noop(repo):
     assert "Nothing to be done" in run(repo, "snakemake", "-n").stdout
 
 
+def evaluate_by_hand(repo: Path, out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`ddpmrepro evaluate` on the pipeline's inputs, writing to `out` (a folder outside the repo)."""
+    return run(repo, "python", "-m", "ddpmrepro.cli", "evaluate", "--samples", "samples", "--data", "data/prepared",
+               "--evaluator", "models/evaluator", "--live", "reports/train/live", "--out", str(out / "metrics.json"),
+               "--detail", str(out / "detail.json"), *extra, check=check)
+
+
+def test_bits_per_dim_as_a_stage_gives_evaluate_the_numbers_it_computes_itself(repo, tmp_path):
+    """The bits_per_dim stage's result read by evaluate (`--bpd`, the pipeline's way) and evaluate
+    computing bits/dim itself from the model (by hand, without `--bpd`): the same metrics, bit for bit."""
+    evaluate_by_hand(repo, tmp_path, "--model", "models/ddpm")
+    assert (tmp_path / "metrics.json").read_bytes() == (repo / "metrics.json").read_bytes()
+    assert (tmp_path / "detail.json").read_bytes() == (repo / "reports/metrics_detail.json").read_bytes()
+    bpd = json.loads((repo / "reports/bpd.json").read_text())
+    assert bpd["bpd"] == json.loads((repo / "metrics.json").read_text())["bpd"]
+    assert bpd["weights"] == {"ema_rate": 0.999, "ema_length": 0.0, "ema_step": 0} and bpd["images"] == 4, bpd
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda b: {**b, "weights": {**b["weights"], "ema_rate": 0.5}}, "made for {"),  # a stale file of other weights
+    (lambda b: {**b, "images": b["images"] + 1}, "made for {"),
+    (lambda b: {**b, "bpd": float("nan")}, "bpd is nan, not a finite number"),
+    (lambda b: [b], "a JSON list, not an object"),
+    (None, "not found"),
+])
+def test_evaluate_refuses_a_bits_per_dim_result_not_made_for_its_params(repo, tmp_path, change, words):
+    good = json.loads((repo / "reports/bpd.json").read_text())
+    bad = tmp_path / "bpd.json"
+    if change is not None:
+        bad.write_text(json.dumps(change(good)))
+    proc = evaluate_by_hand(repo, tmp_path, "--bpd", str(bad), check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"Error: {bad}: "), proc.stderr
+    assert words in lines[0] and "rerun `dvc repro bits_per_dim`" in lines[0], lines[0]
+    assert not (tmp_path / "metrics.json").exists()
+
+
 @pytest.mark.parametrize("module, stages", [
     ("src/ddpmrepro/evaluation/report.py", {"report"}),
     ("src/ddpmrepro/evaluation/metrics.py", {"evaluate"}),
@@ -108,9 +145,10 @@ def test_second_repro_is_a_noop(repo):
     ("src/ddpmrepro/training/ema.py", {"check_params", "train"}),
     # runtime/ is a folder dep of every stage (each command imports part of it): an edit there
     # reruns the stages that do not run launch.py too, the price of a short deps list.
-    ("src/ddpmrepro/runtime/launch.py", {"check_params", "prepare", "fit_evaluator", "train", "sample", "evaluate",
-                                         "report"}),
-    ("src/ddpmrepro/model/unet.py", {"check_params", "train", "sample", "evaluate"}),
+    ("src/ddpmrepro/runtime/launch.py", {"check_params", "prepare", "fit_evaluator", "train", "sample",
+                                         "bits_per_dim", "evaluate", "report"}),
+    ("src/ddpmrepro/model/unet.py", {"check_params", "train", "sample", "bits_per_dim", "evaluate"}),
+    ("src/ddpmrepro/evaluation/bits_per_dim.py", {"bits_per_dim", "evaluate"}),
 ])
 def test_a_code_edit_makes_exactly_the_stages_whose_code_deps_hold_it_stale(repo, module, stages):
     # dvc.yaml names each stage's code by the folders and files it imports (tests/test_stage_deps.py);
@@ -170,7 +208,7 @@ def test_lr_edit_reruns_train_and_downstream_only(repo):
     status = run(repo, "dvc", "status", "--json").stdout
     assert set(json.loads(status)) == {"check_params", "train"}  # check_params: any edit of params.yaml
     out = run(repo, "dvc", "repro").stdout
-    assert ran_stages(out) == {"check_params", "train", "sample", "evaluate", "report"}
+    assert ran_stages(out) == {"check_params", "train", "sample", "bits_per_dim", "evaluate", "report"}
     assert yaml.safe_load((repo / "reports/params/train.yaml").read_text())["train"]["lr"] == 1e-3
 
 
@@ -179,21 +217,23 @@ def test_an_ema_length_edit_samples_and_evaluates_again_and_never_trains(repo):
     exported; `dvc exp run -S sample.ema_length=...` does what this `dvc repro` does."""
     set_param(repo, "sample", "ema_length", 0.1)  # a tracked length: the tiny run has few snapshots
     status = run(repo, "dvc", "status", "--json").stdout
-    assert set(json.loads(status)) == {"check_params", "sample", "evaluate"}  # the stages that read the key
+    ema_readers = {"check_params", "sample", "bits_per_dim", "evaluate"}  # the stages that read the key
+    assert set(json.loads(status)) == ema_readers
     out = run(repo, "dvc", "repro").stdout
-    assert ran_stages(out) == {"check_params", "sample", "evaluate"}
+    assert ran_stages(out) == ema_readers
     assert yaml.safe_load((repo / "samples/params.yaml").read_text())["sample"]["ema_length"] == 0.1
     # The same length as it stood after step 6 of 12 (`sample.ema_step`: a learning curve from one run)
     at_end = (repo / "samples/samples.npz").read_bytes()
     set_param(repo, "sample", "ema_step", 6)
-    assert set(json.loads(run(repo, "dvc", "status", "--json").stdout)) == {"check_params", "sample", "evaluate"}
-    assert ran_stages(run(repo, "dvc", "repro").stdout) == {"check_params", "sample", "evaluate"}
+    assert set(json.loads(run(repo, "dvc", "status", "--json").stdout)) == ema_readers
+    assert ran_stages(run(repo, "dvc", "repro").stdout) == ema_readers
+    assert json.loads((repo / "reports/bpd.json").read_text())["weights"]["ema_step"] == 6
     assert yaml.safe_load((repo / "samples/params.yaml").read_text())["sample"]["ema_step"] == 6
     assert (repo / "samples/samples.npz").read_bytes() != at_end  # other weights, the same noise
     # Back to sample.ema_rate's weights, again without training (sample's outputs come back from DVC's run cache).
     set_param(repo, "sample", "ema_step", 0)
     set_param(repo, "sample", "ema_length", 0)
-    assert ran_stages(run(repo, "dvc", "repro").stdout) <= {"check_params", "sample", "evaluate"}
+    assert ran_stages(run(repo, "dvc", "repro").stdout) <= ema_readers
     assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
 
 
@@ -208,7 +248,7 @@ def test_compiled_training_and_sampling_run_through_dvc_repro_with_a_warm_cache_
     set_param(repo, "sample", "compile", "blocks")
     try:
         out = run(repo, "dvc", "repro").stdout
-        assert ran_stages(out) == {"check_params", "train", "sample", "evaluate", "report"}
+        assert ran_stages(out) == {"check_params", "train", "sample", "bits_per_dim", "evaluate", "report"}
         assert yaml.safe_load((repo / "reports/params/train.yaml").read_text())["train"]["compile"] == "blocks"
         assert any((repo / "checkpoints/inductor-cache").rglob("*.so"))
         assert not run(repo, "git", "status", "--porcelain", "--ignored=no", "checkpoints").stdout.strip()

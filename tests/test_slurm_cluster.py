@@ -54,7 +54,7 @@ TINY = {
 }
 # The trainings that are stopped: long enough to be caught between steps, checkpoints only on SIGTERM.
 STOPPED = {"steps": 100, "batch_per_proc": 8, "warmup_steps": 2, "checkpoint_every": 1000, "log_every": 2}
-STAGES = {"prepare", "fit_evaluator", "train", "sample", "evaluate", "report"}
+STAGES = {"prepare", "fit_evaluator", "train", "sample", "bits_per_dim", "evaluate", "report"}
 
 pytestmark = pytest.mark.slow
 

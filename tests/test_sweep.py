@@ -21,7 +21,7 @@ from test_pipeline import only_changed_table
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
-TORCH_STAGES = {"fit-evaluator", "train", "sample", "evaluate"}
+TORCH_STAGES = {"fit-evaluator", "train", "sample", "bits-per-dim", "evaluate"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")]
 

@@ -350,24 +350,54 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
               help="The training run's dvclive files (the final loss is copied to OUT, every last value to DETAIL).")
 @click.option("--table", "table_out", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the headline and per-class values as an HTML table (for `snakemake --report`).")
+@click.option("--bpd", "bpd_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="The test bits/dim `ddpmrepro bits-per-dim` wrote (the pipeline's way: MODEL is then not "
+                   "read); without it, computed here from MODEL.")
 @user_errors
 @writes(out="file")
 def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir: Path, model_dir: Path,
-             out: Path, detail_out: Path, live_dir: Path, table_out: Path | None) -> None:
+             out: Path, detail_out: Path, live_dir: Path, table_out: Path | None, bpd_path: Path | None) -> None:
     """Score the samples: class accuracy, FID/KID/precision/recall (global and per class,
     with a real-vs-real floor), optional Inception metrics, test bits/dim.
 
     \b
-    Reads:  params `evaluate.*`, `sample.ema_rate`, `sample.ema_length`, `sample.ema_step`; SAMPLES, DATA, EVALUATOR, MODEL, LIVE/metrics.json.
+    Reads:  params `evaluate.*` (and, for bits/dim, `sample.ema_rate`, `ema_length`, `ema_step`); SAMPLES, DATA,
+            EVALUATOR, BPD or else MODEL, LIVE/metrics.json.
     Writes: OUT (the headline metrics, flat keys), DETAIL (all of them), TABLE; see docs/METRICS.md.
     """
     from .evaluation.evaluate import evaluate as run
 
     params = _load_params(params_path)
     _claim_cpus()
-    metrics = run(params, samples_dir, data_dir, evaluator_dir, model_dir, out, detail_out, live_dir, table_out)
+    metrics = run(params, samples_dir, data_dir, evaluator_dir, model_dir, out, detail_out, live_dir, table_out,
+                  bpd_path=bpd_path)
     click.echo(" ".join(f"{k}={v:.4g}" if v is not None else f"{k}=n/a" for k, v in metrics.items())
                + f" -> {out}, {detail_out}")
+
+
+@main.command("bits-per-dim")
+@PARAMS_OPTION
+@click.option("--data", "data_dir", default="data/prepared", show_default=True, type=click.Path(path_type=Path))
+@click.option("--model", "model_dir", default="models/ddpm", show_default=True, type=click.Path(path_type=Path))
+@click.option("--out", default="reports/bpd.json", show_default=True, type=click.Path(dir_okay=False, path_type=Path))
+@user_errors
+@writes(out="file")
+def bits_per_dim(params_path: Path, data_dir: Path, model_dir: Path, out: Path) -> None:
+    """Test bits/dim of the weights `sample` draws from (the full variational bound: T network
+    passes per image), for `evaluate --bpd`.
+
+    \b
+    Reads:  params `evaluate.bpd_images`, `sample.ema_rate`, `sample.ema_length`, `sample.ema_step`; DATA, MODEL.
+    Writes: OUT: {"bpd", "images", "weights"} (bpd null where evaluate.bpd_images is 0).
+    """
+    from .evaluation import bits_per_dim as bpd
+
+    params = _load_params(params_path)
+    _claim_cpus()
+    result = bpd.bits_per_dim(params, data_dir, model_dir)
+    bpd.write(result, out)
+    value = "n/a (evaluate.bpd_images: 0)" if result["bpd"] is None else f"{result['bpd']:.4g}"
+    click.echo(f"bpd={value} on {result['images']} test images -> {out}")
 
 
 @main.command("sample-superres")

@@ -19,6 +19,7 @@ import ctypes
 import errno
 import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -292,3 +293,17 @@ def weights_metadata(path: Path) -> dict[str, str]:
             return dict(f.metadata() or {})
     except Exception as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0][:200]}); retrain or restore it with `dvc checkout`") from None
+
+
+def read_json(path: Path, fix: str) -> dict:
+    """A JSON object another stage wrote (a metrics.json, sampling.json, bpd.json); CheckpointError
+    naming the file and ending with `fix` where it is not one."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found; {fix}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: a JSON {type(value).__name__}, not an object; {fix}")
+    return value

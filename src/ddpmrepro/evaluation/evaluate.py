@@ -9,7 +9,8 @@ Reported together, because each alone can be fooled:
 - `floor_fid` (and every other `floor` value in the detail file): the same metrics for real
   train images against the same test split at the same N: the best a perfect generator could
   score here (small-N bias is large on digits);
-- `bpd`: test-set bits/dim from the full VLB (IDDPM), on `evaluate.bpd_images` images;
+- `bpd`: test-set bits/dim from the full VLB (IDDPM), on `evaluate.bpd_images` images (the
+  bits_per_dim stage computes it: bits_per_dim.py);
 - `inception_fid`: paper-comparable Inception metrics, only with a verified local weights file;
 - `loss`: the training run's last logged loss (dvclive's metrics.json). Its throughput
   (`images_per_sec`) is in the detail file only, with every other last value: a timing differs on
@@ -26,13 +27,11 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from ..data import load_prepared, to_model_range
-from ..files import CheckpointError, atomic_write_text
-from ..model.diffusion import from_params as diffusion_from_params
-from ..model_dir import load_model
+from ..data import load_prepared
+from ..files import CheckpointError, atomic_write_text, read_json
 from ..params import Params
+from . import bits_per_dim
 from .evaluator import load_evaluator
 from .metrics import feature_metrics, inception_metrics, real_floor
 
@@ -74,37 +73,17 @@ def load_samples(samples_dir: Path, num_classes: int) -> dict[str, np.ndarray]:
                         fix="rerun `dvc repro sample` (or `ddpmrepro sample`)")
 
 
-@torch.no_grad()
-def test_bits_per_dim(params: Params, model_dir: Path, images: np.ndarray, labels: np.ndarray) -> float:
-    """Mean bits/dim of the test images under the trained model (full VLB + prior)."""
-    model, trained, _ = load_model(model_dir, params.sample.ema_rate, ema_length=params.sample.ema_length,
-                                 ema_step=params.sample.ema_step)
-    diffusion = diffusion_from_params(trained.diffusion)
-    x0 = to_model_range(images)
-    y = torch.as_tensor(labels, dtype=torch.long)
-    # Score several timesteps per model call (~256 rows): one call per timestep at a small
-    # batch is dominated by per-call overhead on CPU.
-    total, batch = [], 64
-    for start in range(0, len(x0), batch):
-        xb, yb = x0[start:start + batch], y[start:start + batch]
-        k = max(1, 256 // len(xb))
-        gens = [torch.Generator().manual_seed(start + i) for i in range(len(xb))]
-        yk = yb.repeat(k) if model.label_embed is not None else None  # None: an unconditional model
-        out = diffusion.bits_per_dim(lambda x, t, yk=yk: model(x, t, yk), xb, generators=gens,
-                                     timesteps_per_call=k)
-        total.append(out["total_bpd"])
-    return float(torch.cat(total).mean())
-
-
 # The columns of `dvc exp show`, in this order (docs/METRICS.md says why these).
 HEADLINE = ("class_acc", "fid", "floor_fid", "precision", "recall", "bpd", "inception_fid", "loss", "evaluator_acc")
 
 
 def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: Path, model_dir: Path,
-             out: Path, detail_out: Path, live_dir: Path | None = None, table_out: Path | None = None) -> dict:
+             out: Path, detail_out: Path, live_dir: Path | None = None, table_out: Path | None = None,
+             bpd_path: Path | None = None) -> dict:
     """Writes `out` (the headline metrics), `detail_out` (all of them) and, if given, `table_out`
     (both as an HTML table, for Snakemake's report); returns the headline. `live_dir` holds the
-    training run's dvclive files (its last logged values are copied)."""
+    training run's dvclive files (its last logged values are copied). `bpd_path`: the bits_per_dim
+    stage's result (the pipeline's way); without it bits/dim is computed here from `model_dir`."""
     p = params.evaluate
     data = load_prepared(data_dir)
     samples = load_samples(samples_dir, data.num_classes)
@@ -131,10 +110,11 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     evaluator_metrics = read_json(Path(evaluator_dir) / "metrics.json", "re-run `dvc repro fit-evaluator`")
 
     # Test bits/dim on a fixed subset (the first images of the test split).
-    bpd = None
-    if p.bpd_images:
-        k = min(p.bpd_images, len(data.test_images))
-        bpd = {"bpd": test_bits_per_dim(params, model_dir, data.test_images[:k], data.test_labels[:k]), "images": k}
+    if bpd_path is not None:
+        bpd = bits_per_dim.read(bpd_path, params, len(data.test_images))
+    else:
+        result = bits_per_dim.bits_per_dim(params, data_dir, model_dir)
+        bpd = {"bpd": result["bpd"], "images": result["images"]} if result["images"] else None
 
     # Paper-comparable Inception metrics, only from a verified local weights file.
     inc = inception_metrics(samples["images"], data.test_images, p.inception_weights or None, p.inception_sha256)
@@ -165,19 +145,6 @@ def load_sampling(samples_dir: Path) -> dict | None:
     samples written before it existed."""
     path = Path(samples_dir) / "sampling.json"
     return read_json(path, "rerun `dvc repro sample`") if path.is_file() else None
-
-
-def read_json(path: Path, fix: str) -> dict:
-    """A JSON object another stage wrote; CheckpointError naming the file and `fix` where it is not one."""
-    try:
-        value = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found; {fix}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {fix}") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: a JSON {type(value).__name__}, not an object; {fix}")
-    return value
 
 
 def layout(gen: dict, floor: dict, per_class: dict, bpd: dict | None, inception: dict, evaluator: dict,
