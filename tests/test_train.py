@@ -312,6 +312,31 @@ def test_table_steps_and_dvclive_steps_number_the_same_update(straight_runs):
     assert load_checkpoint(latest_checkpoint(ckpt_dir))["step"] == 8
 
 
+def test_other_introspect_settings_on_a_finished_run_record_again_instead_of_handing_back_its_tables(
+        tmp_path, prepared, straight_runs):
+    """The tables are made only while training: `introspect.every: 4` on a run finished under 2 found
+    its step-8 checkpoint, trained nothing and copied the old tables out, with the new settings in
+    config.json. The introspect section is in the run hash: it trains again and records anew, to the
+    bits of a run made with those settings from the start. (Not the first run's bits: the activation
+    hooks change the order autograd sums some gradients in, so the steps they are on move the last
+    bits, which Adam enlarges where a gradient is near zero.)"""
+    import pandas as pd
+
+    run = tmp_path / "run"
+    shutil.copytree(straight_runs(1), run)
+    params = write_params(run / "p.yaml", introspect={"every": 4, "steps": []})
+    proc = subprocess.run(train_cmd(run, prepared, params, 1), env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming" not in proc.stderr, proc.stderr[-3000:]
+    assert pd.read_parquet(run / "introspect" / "steps")["step"].tolist() == [4, 8]
+    assert len(list((run / "ckpt").glob("*/*"))) == 2  # the first run's checkpoints are left as they were
+    fresh = tmp_path / "fresh"
+    run_train(fresh, prepared, params, 1)
+    for name in ("model.safetensors", "ema_0.9.safetensors"):
+        assert (run / "model" / name).read_bytes() == (fresh / "model" / name).read_bytes()
+    assert pd.read_parquet(run / "introspect" / "param_grads").equals(pd.read_parquet(fresh / "introspect" / "param_grads"))
+
+
 @pytest.mark.slow
 def test_dump_steps_are_recorded_steps_in_the_same_numbering(tmp_path, prepared):
     # Neither `every` nor `steps` names step 2: a dump step is recorded anyway, tables and dump alike.

@@ -92,7 +92,11 @@ def run_hash(params: Params, data_digest: str) -> str:
         del train["posthoc_ema_dtype"]
     # Checkpointing changes memory, not one bit of the updates: a run may resume with it switched.
     model = {k: v for k, v in d["model"].items() if k != "grad_checkpoint"}
-    what = {"data": data_digest, "model": model, "diffusion": d["diffusion"], "train": train}
+    # What is recorded is part of the run's outputs (the gradient tables, made only while training),
+    # and the noise-level buckets steer train.timestep_sampler: grad-norm. A run resumed (or found
+    # finished) under other introspect settings would hand back the old tables, or mix them.
+    what = {"data": data_digest, "model": model, "diffusion": d["diffusion"], "train": train,
+            "introspect": d["introspect"]}
     if params.superres.low_res:  # an upsampler: what it is trained on (a base run's hash is as before)
         what["superres"] = {k: d["superres"][k] for k in SUPERRES_TRAIN_KEYS}
     blob = json.dumps(what, sort_keys=True)
@@ -313,7 +317,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     nonfinite.check(saved_step)
                 if log_now:
                     means = stats.means()
-                    gns = noise_scale.log_values(means, steps_in_window=done - (done - 1) // p.log_every * p.log_every)
+                    gns = noise_scale.log_values(means, step=done)
                     last.summary = {"step": done, **means, "grad_norm": float(total_norm), "lr": lr_at(step, p),
                                     "loss_scale": loss_scale, "skipped_steps": nonfinite.skipped_steps,
                                     "images_per_sec": train_log.throughput(done), **gns}
