@@ -70,8 +70,8 @@ def test_the_two_batch_estimates_are_unbiased_and_the_naive_one_is_not():
 def test_the_smoothed_ratio_divides_averages_not_ratios_and_resumes():
     r = SmoothedRatio(halflife_steps=10)
     assert math.isnan(r.value())
-    r.update(1.0, 4.0, steps=10)
-    r.update(-0.2, 2.0, steps=10)  # a negative |G|² estimate is averaged in, not dropped
+    r.update(1.0, 4.0, step=10)
+    r.update(-0.2, 2.0, step=20)  # a negative |G|² estimate is averaged in, not dropped
     d = 0.5
     g2 = ((1 - d) * d * 1.0 + (1 - d) * -0.2) / (1 - d * d)
     tr = ((1 - d) * d * 4.0 + (1 - d) * 2.0) / (1 - d * d)
@@ -79,7 +79,32 @@ def test_the_smoothed_ratio_divides_averages_not_ratios_and_resumes():
     assert r.value() == pytest.approx(tr / g2)
     s = SmoothedRatio(10)
     s.load_state_dict(r.state_dict())
-    assert s.update(2.0, 1.0, 5) == r.update(2.0, 1.0, 5)
+    assert s.update(2.0, 1.0, 25) == r.update(2.0, 1.0, 25)
+
+
+def test_the_smoothed_ratios_half_life_is_in_steps_however_sparse_the_measurements():
+    """Measured on recorded steps only (1 process, no accumulation: every 250 steps by default), the
+    average must forget at the rate the half-life says, whatever the log windows between the
+    measurements: each weight is 0.5^(age in steps / half-life), as a direct weighted mean computes."""
+    halflife, steps = 500.0, [1, 250, 500, 750, 1000, 1250, 1500]
+    rng = torch.Generator().manual_seed(0)
+    g2 = [float(v) for v in torch.rand(len(steps), generator=rng, dtype=torch.float64)]
+    trace = [float(v) for v in torch.rand(len(steps), generator=rng, dtype=torch.float64) * 10]
+    r = SmoothedRatio(halflife)
+    for s, a, b in zip(steps, g2, trace):
+        r.update(a, b, step=s)
+    # direct: an exponential average's weight for the measurement at s_k is (1 - d_k) prod_{j>k} d_j,
+    # d_j = 0.5^((s_j - s_{j-1}) / halflife), and the first measurement's (weight 0 before) counts from step 0
+    prev = [0] + steps[:-1]
+    decays = [0.5 ** ((s - p) / halflife) for s, p in zip(steps, prev)]
+    weights = [(1 - decays[k]) * math.prod(decays[k + 1:]) for k in range(len(steps))]
+    assert weights[-2] / weights[-1] == pytest.approx((1 - decays[-2]) / (1 - decays[-1]) * decays[-1])
+    want_g2 = sum(w * v for w, v in zip(weights, g2)) / sum(weights)
+    want_tr = sum(w * v for w, v in zip(weights, trace)) / sum(weights)
+    assert r.averages() == pytest.approx((want_g2, want_tr), rel=1e-12)
+    # the first measurement's weight after 1499 steps, relative to the last's, as 0.5^(age/halflife) says
+    # (each weight being the share of its own interval: (1 - d_k) over its span)
+    assert weights[0] / weights[-1] == pytest.approx((1 - decays[0]) / (1 - decays[-1]) * 0.5 ** (1499 / halflife))
 
 
 # --- a tiny diffusion model, per-example gradients one example at a time ---------------------
@@ -199,7 +224,7 @@ def test_the_microbatch_hooks_measure_each_microbatch_and_the_step_estimate_is_e
     assert (g2, trace) == pytest.approx(want, rel=1e-4)
     means = stats.means()
     assert means["gns_small_sq"] == pytest.approx(sum(small) / 3, rel=1e-5)
-    logged = ns.log_values(means, steps_in_window=1)
+    logged = ns.log_values(means, step=1)
     assert (logged["gns_g2"], logged["gns_trace"]) == pytest.approx(want, rel=1e-4)
     with ns:  # as the loop holds it: the hooks are gone after the run, the model is not
         pass
@@ -403,7 +428,7 @@ def recorded_step(tmp_path, model, ip, *, noise_scale_on: bool, batch: int = 16,
         instrumented_step(model, stats, ns, intro, done, x0, t, noise)
     intro.close()
     model.zero_grad(set_to_none=True)
-    return ns.log_values(stats.means(), steps_in_window=1), read_table(tmp_path, "steps"), \
+    return ns.log_values(stats.means(), step=done), read_table(tmp_path, "steps"), \
         read_table(tmp_path, "noise_levels")
 
 

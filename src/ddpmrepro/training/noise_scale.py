@@ -50,20 +50,26 @@ def two_batch_estimates(big_sq: float, n_big: float, small: list[tuple[float, fl
 
 class SmoothedRatio:
     """B_simple = tr(Σ)/|G|² from exponential averages of both (bias-corrected as Adam's moments),
-    updated once per log window with a decay for the steps it spans: a half-life in steps, not in
-    log lines. Checkpointed, so a resumed run logs the same values."""
+    updated once per measured log window with a decay for the steps since the last update: a
+    half-life in steps, not in log lines nor in measurements (with one process and no accumulation
+    the noise scale is measured on recorded steps only, every 250 steps by default, and a decay for
+    a log window's 25 steps made the half-life ten times the one asked for). Checkpointed, so a
+    resumed run logs the same values."""
 
     def __init__(self, halflife_steps: float):
         self.halflife = halflife_steps
         self.g2 = self.trace = self.weight = 0.0
+        self.step = 0  # of the last update
 
-    def update(self, g2: float, trace: float, steps: int) -> float:
+    def update(self, g2: float, trace: float, step: int) -> float:
+        """The window's mean estimates, measured up to `step` (completed updates)."""
         if not (math.isfinite(g2) and math.isfinite(trace)):
             return self.value()
-        decay = 0.5 ** (steps / self.halflife)
+        decay = 0.5 ** ((step - self.step) / self.halflife)
         self.g2 = decay * self.g2 + (1 - decay) * g2
         self.trace = decay * self.trace + (1 - decay) * trace
         self.weight = decay * self.weight + (1 - decay)
+        self.step = step
         return self.value()
 
     def value(self) -> float:
@@ -77,10 +83,11 @@ class SmoothedRatio:
         return (self.g2 / self.weight, self.trace / self.weight) if self.weight else (math.nan, math.nan)
 
     def state_dict(self) -> dict:
-        return {"g2": self.g2, "trace": self.trace, "weight": self.weight}
+        return {"g2": self.g2, "trace": self.trace, "weight": self.weight, "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
         self.g2, self.trace, self.weight = float(state["g2"]), float(state["trace"]), float(state["weight"])
+        self.step = int(state["step"])
 
 
 class NoiseScale:
@@ -162,10 +169,11 @@ class NoiseScale:
         mean_small = float(summed[0] / summed[1])
         return two_batch_estimates(float(big), self.n_big, [(mean_small, self.n_small)])
 
-    def log_values(self, means: dict, steps_in_window: int) -> dict:
-        """The log line's `gns_*` values from a window's means (`means` loses the raw sums): the
-        window's average |G|² and tr(Σ) (their per-step estimates are linear in the sums, so this is
-        the mean of the per-step estimates) and B_simple from their smoothed averages."""
+    def log_values(self, means: dict, step: int) -> dict:
+        """The log line's `gns_*` values from the means of the window that ends at `step` (`means`
+        loses the raw sums): the window's average |G|² and tr(Σ) (their per-step estimates are
+        linear in the sums, so this is the mean of the per-step estimates) and B_simple from their
+        smoothed averages."""
         small, big = means.pop("gns_small_sq", math.nan), means.pop("gns_big_sq", math.nan)
         step_g2, step_trace = means.pop("gns_g2", math.nan), means.pop("gns_trace", math.nan)
         if not self.requested:
@@ -176,7 +184,7 @@ class NoiseScale:
             g2, trace = step_g2, step_trace
         if not (math.isfinite(g2) and math.isfinite(trace)):
             return {}
-        b_simple = self.smoothed.update(g2, trace, steps_in_window)
+        b_simple = self.smoothed.update(g2, trace, step)
         return {"gns_g2": g2, "gns_trace": trace, "gns_b_simple": b_simple}
 
     def state_dict(self) -> dict:
