@@ -41,7 +41,7 @@ STAGE_ARGS = {
               "--checkpoints", "ckpt"],
     "sample": ["--model", "model", "--out", "samples"],
     "evaluate": ["--samples", "samples", "--data", "data", "--evaluator", "evaluator", "--model", "model",
-                 "--out", "metrics.json"],
+                 "--out", "metrics.json", "--detail", "detail.json"],
     "report": ["--introspect", "introspect", "--live", "live", "--out", "figures"],
 }
 # The stage that reads each params section (dvc.yaml lists the same).
@@ -531,7 +531,9 @@ PATTERN_CASES = {
     "no-such-module": ({"modules": ["no_such_module.*"]},
                        "introspect.modules: introspect pattern 'no_such_module.*' matches no module"),
     "dump-not-recorded": ({"modules": ["input_blocks.*"], "dump_modules": ["out"], "dump_steps": [1]},
-                          "introspect.modules: dump modules ['out'] are not among the recorded modules"),
+                          "introspect.dump_modules: ['out'] are not among the modules introspect.modules records"),
+    "no-such-dump-module": ({"dump_modules": ["nope"], "dump_steps": [1]},
+                            "introspect.dump_modules: introspect pattern 'nope' matches no module"),
 }
 
 
@@ -550,7 +552,7 @@ def test_an_introspection_pattern_that_fits_nothing_is_refused_before_the_run_di
 # Every output option of every stage, with the kind of output behind it.
 OUTPUT_OPTIONS = [("prepare", "--out"), ("fit-evaluator", "--out"), ("train", "--out"), ("train", "--live"),
                   ("train", "--introspect"), ("train", "--checkpoints"), ("sample", "--out"), ("evaluate", "--out"),
-                  ("report", "--out")]
+                  ("evaluate", "--detail"), ("report", "--out")]
 
 
 def with_option(stage: str, option: str, value: str) -> list[str]:
@@ -594,7 +596,7 @@ def test_a_file_where_an_output_directory_belongs_is_one_line(trainable, stage, 
 
 # The options whose directory a stage replaces whole (the others write files into theirs).
 REPLACED_DIRS = [(s, o) for s, o in OUTPUT_OPTIONS if (s, o) not in {("train", "--checkpoints"), ("evaluate", "--out"),
-                                                                     ("report", "--out")}]
+                                                                     ("evaluate", "--detail"), ("report", "--out")}]
 
 
 @pytest.mark.parametrize("stage, option", REPLACED_DIRS)
@@ -673,3 +675,20 @@ def test_a_write_that_fails_midway_is_one_line_naming_the_file(trainable):
     (line,) = proc.stderr.splitlines()
     # prepare estimates its output and refuses before decoding anything (ddpmrepro.data.prepared).
     assert line.startswith("Error: full/prepared: no space left on the device for the prepared data (it needs "), line
+
+
+@pytest.mark.parametrize("size, posthoc", [("64k", True), ("300k", True), ("300k", False)])
+def test_a_full_disk_under_the_checkpoints_is_one_line_naming_the_file(trainable, size, posthoc):
+    """torch.save and safetensors report a full disk in their own words, not as an OSError: a
+    traceback through the post-hoc EMA snapshot (SafetensorError), or `[enforce fail at
+    inline_container.cc] unexpected pos ...` naming no file (found from outside)."""
+    (trainable / "full").mkdir()
+    if not posthoc:  # no snapshots: the checkpoint's torch.save is the first write to fail
+        (trainable / "params.yaml").write_text(yaml.safe_dump({**TINY, "train": {**TINY["train"], "posthoc_ema": []}}))
+    cmd = [sys.executable, "-m", "ddpmrepro.cli", "train", "--params", "params.yaml",
+           *with_option("train", "--checkpoints", "full/ckpt")]
+    (proc,) = run_with_tmpfs(trainable, trainable / "full", f"size={size}", [cmd])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()[-1:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert line.startswith("Error: full/ckpt/") and line.endswith(": No space left on device"), line

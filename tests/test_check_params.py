@@ -109,9 +109,12 @@ BY_PARAMS = {  # site -> [(params.yaml, the key the one line names)]
     "training/recording.py:gradient_recorders#0": [({"introspect": {"params": ["nothing.*"]}},
                                                        "introspect.params")],
     "training/recording.py:gradient_recorders#1": [({"introspect": {"modules": ["out", "bogus"]}},
-                                                       "introspect.modules"),
-                                                      ({"introspect": {"dump_steps": [1], "dump_modules": ["out.0"]}},
                                                        "introspect.modules")],
+    # (it said introspect.modules, a key the user had not touched)
+    "training/recording.py:gradient_recorders#2": [({"introspect": {"dump_steps": [1], "dump_modules": ["nope"]}},
+                                                       "introspect.dump_modules")],
+    "training/recording.py:gradient_recorders#3": [({"introspect": {"dump_steps": [1], "dump_modules": ["out.0"]}},
+                                                       "introspect.dump_modules")],
     "training/noise_levels.py:bucket_layout": [
         ({"introspect": {"noise_bucket_space": "logsnr", "noise_bucket_edges": [100.0]}},
          "introspect.noise_bucket_edges"),
@@ -239,6 +242,21 @@ def test_checking_params_whose_network_was_checked_imports_no_torch(tmp_path):
     raw["model"]["channels"] = 64
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     assert torch_imported() and not torch_imported()
+
+
+@pytest.mark.parametrize("sample, diffusion", [({"sampler": "dpmpp_2m", "lambda_min": 10.0}, {}),
+                                               ({"sampler": "unipc", "lambda_min": 4.7}, {"schedule": "linear"})])
+def test_a_fast_solver_starting_at_the_clean_end_is_refused_before_the_sample_stage(tmp_path, sample, diffusion):
+    """samplers.sample_times refuses it too (in the sample stage, after DVC removed samples/)."""
+    raw = yaml.safe_load((SRC.parent / "params.yaml").read_text())
+    raw["sample"].update(sample)
+    raw["diffusion"].update(diffusion)
+    proc = check(tmp_path, yaml.safe_dump(raw))
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("Error: params.yaml: sample.lambda_min: ") and "the clean end" in lines[0], lines[0]
+    raw["sample"]["lambda_min"] = -5.1
+    assert check(tmp_path, yaml.safe_dump(raw)).returncode == 0
 
 
 @pytest.mark.parametrize("model, data, words", [

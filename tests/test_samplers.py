@@ -54,6 +54,19 @@ def test_spacings_run_from_the_start_down_to_index_0_in_the_promised_variable(sp
     np.testing.assert_allclose(np.diff(measure), np.diff(measure)[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("spacing", ["logsnr", "time_uniform", "karras"])
+def test_a_start_at_or_above_the_least_noisy_step_is_refused_not_sampled_into_zeros(spacing):
+    """lambda_min 10 on a table whose largest lambda is about 5: every point at index 0, a NaN step
+    and images of zeros, exit 0 (found from outside). Just below it, the points still decrease."""
+    sched = table("cosine")
+    top = float(sched.lam(0.0))
+    for bad in (10.0, top):
+        with pytest.raises(ValueError, match=r"lambda_min .* is not below the table's largest half log-SNR"):
+            S.sample_times(sched, spacing, 12, lambda_min=bad)
+    u = S.sample_times(sched, spacing, 12, lambda_min=top - 0.5)
+    assert u[0] > 0 and (np.diff(u) < 0).all()
+
+
 def test_respacing_spacing_keeps_the_respacers_steps():
     u = S.sample_times(table("cosine"), "respacing", 0, respacing="ddim50")
     assert list(u) == list(range(980, -1, -20))

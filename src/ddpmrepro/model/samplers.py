@@ -113,6 +113,10 @@ def sample_times(schedule: LambdaSchedule, spacing: str, points: int, lambda_min
         raise ValueError(f"need at least 2 evaluation points, got {points}")
     u_start = start_index(schedule, lambda_min)
     lam_lo, lam_hi = float(schedule.lam(u_start)), float(schedule.lam(0.0))
+    if not lambda_min < lam_hi:  # every point at index 0: a NaN step size, and images of zeros
+        raise ValueError(f"lambda_min {lambda_min:g} is not below the table's largest half log-SNR ({lam_hi:.3g}, "
+                         f"at index 0), so sampling would start at the clean end; lower it (-5.1 is "
+                         "dpm-solver's)")
     if spacing == "time_uniform":
         u = np.linspace(u_start, 0.0, points)
     elif spacing == "logsnr":
@@ -124,6 +128,9 @@ def sample_times(schedule: LambdaSchedule, spacing: str, points: int, lambda_min
     else:
         raise ValueError(f"unknown spacing {spacing!r}; choose one of {', '.join(SPACINGS)}")
     u[0], u[-1] = u_start, 0.0  # exact ends (interpolation round-off)
+    if not (np.diff(u) < 0).all():
+        raise ValueError(f"{points} evaluation points between index {u_start:.3g} and 0 are not all distinct; "
+                         "lower lambda_min or the number of points")
     return u
 
 

@@ -29,12 +29,23 @@ def gradient_recorders(raw_model: torch.nn.Module, ip: IntrospectParams):
         grads = introspect.ParamGradRecorder(raw_model.named_parameters(), ip.params, update_ratio=ip.update_ratio)
     except ValueError as e:
         raise ParamsError(f"introspect.params: {e}") from None
+    # Each pattern list checked here, so that the line names the key that holds the pattern.
+    modules = [name for name, _ in raw_model.named_modules() if name]
     try:
-        activations = introspect.ActivationGradRecorder(
-            raw_model, ip.modules, histogram_bins=ip.histogram_bins, dump_steps=ip.dump_steps,
-            dump_modules=ip.dump_modules, dump_max_mb=ip.dump_max_mb, reduction="global")
+        watched = introspect.select_names(modules, ip.modules, outermost=True, what="module") if ip.modules else []
     except ValueError as e:
         raise ParamsError(f"introspect.modules: {e}") from None
+    try:
+        dumped = introspect.select_names(modules, ip.dump_modules, outermost=True, what="module") \
+            if ip.dump_modules else []
+    except ValueError as e:
+        raise ParamsError(f"introspect.dump_modules: {e}") from None
+    if not set(dumped) <= set(watched):
+        raise ParamsError(f"introspect.dump_modules: {sorted(set(dumped) - set(watched))} are not among the modules "
+                          "introspect.modules records (its outermost matches); add them to its patterns")
+    activations = introspect.ActivationGradRecorder(
+        raw_model, ip.modules, histogram_bins=ip.histogram_bins, dump_steps=ip.dump_steps,
+        dump_modules=ip.dump_modules, dump_max_mb=ip.dump_max_mb, reduction="global")
     return grads, activations
 
 
