@@ -63,3 +63,38 @@ def test_the_tiny_unets_compiled_blocks_are_those_docs_training_md_counts(monkey
     distinct = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert (int(found[1]), int(found[2])) == (len(blocks), distinct)
+
+
+# `dvc exp run ... -S key=value -S 'key=a,b'` in the docs: each combination on one line, applied to the
+# default params.yaml, must pass the pipeline's check. (`sample.ema_step=400` was shown while only
+# snapshot steps, 375 and 422 there, are accepted: a reader's first try was refused.)
+SET = re.compile(r"""-S\s+(['"]?)([a-z_]+\.[a-z_]+)=([^'"\s`]+)\1""")
+
+
+def documented_experiments() -> list[tuple[str, dict]]:
+    found = []
+    for page in PAGES:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if "dvc exp run" in line and "$" not in line:
+                sets = [s for s in SET.findall(line) if not s[2].isupper()]  # not `=L` (a placeholder)
+                if sets:
+                    found.append((f"{page.name}:{n}", {key: value.split(",") for _, key, value in sets}))
+    return found
+
+
+@pytest.mark.parametrize("where, sets", documented_experiments(), ids=[w for w, _ in documented_experiments()])
+def test_every_documented_experiment_passes_check_params_on_the_default_params(where, sets):
+    import itertools
+
+    import yaml
+
+    from ddpmrepro import params as P
+    from ddpmrepro.pipeline.check_params import check_pipeline
+
+    default = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for values in itertools.product(*sets.values()):
+        raw = {section: dict(keys) for section, keys in default.items()}
+        for key, value in zip(sets, values):
+            section, name = key.split(".")
+            raw[section][name] = yaml.safe_load(value)  # as DVC's -S reads it
+        check_pipeline(P.from_dict(raw))  # raises ParamsError, naming the key, where it is refused

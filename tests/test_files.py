@@ -255,3 +255,21 @@ def test_importing_files_loads_no_torch():
     out = subprocess.run([sys.executable, "-c", "import json; " + code], env={**os.environ, "PYTHONPATH": str(SRC)},
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out) is False
+
+
+def test_files_written_together_are_all_replaced_or_none(tmp_path):
+    """metrics.json and its detail: a failure writing the second (here its folder is a file; a full
+    disk or a read-only mount alike) leaves the first as it was, never a new headline beside an old
+    detail (found from outside with a read-only --detail)."""
+    from ddpmrepro.files import atomic_write_texts
+
+    headline, blocker = tmp_path / "metrics.json", tmp_path / "reports"
+    headline.write_text("old\n")
+    blocker.write_text("a file where the detail's folder would be\n")
+    with pytest.raises(OSError):
+        atomic_write_texts({headline: "new\n", blocker / "detail.json": "new detail\n"})
+    assert headline.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json", "reports"]  # no temp file left
+    blocker.unlink()
+    atomic_write_texts({headline: "new\n", blocker / "detail.json": "new detail\n"})
+    assert headline.read_text() == "new\n" and (blocker / "detail.json").read_text() == "new detail\n"

@@ -277,6 +277,48 @@ def test_snakemake_runs_what_dvc_would_and_leaves_dvc_clean(repo):
         assert (repo / f"logs/dvc/{rule}.log").exists()
 
 
+def test_a_stage_stale_at_one_snakemake_parse_and_not_at_the_next_is_not_run(repo):
+    """An edit that `snakemake -n` saw, then reverted: its stages' stamps were newer than their
+    outputs, and Snakemake ran them (DVC no-ops) at every later call, one after another (found
+    from outside). DVC would run nothing, so Snakemake must not either."""
+    path = repo / "params.yaml"
+    original = path.read_text()
+    set_param(repo, "train", "lr", 1e-3)
+    try:
+        dry = run(repo, "snakemake", "-n").stdout
+        assert {"check_params", "train"} <= set(re.findall(r"rule (\w+):", dry)), dry[-2000:]
+    finally:
+        path.write_text(original)
+    # the parse brought reports/params/ up to date with the edit: DVC's check puts it back
+    assert ran_stages(run(repo, "dvc", "repro").stdout) <= {"check_params"}
+    assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
+    assert "Nothing to be done" in run(repo, "snakemake", "-n").stdout
+
+
+def test_snakemake_while_dvc_runs_is_one_line_not_a_traceback(repo):
+    """While a `dvc repro` writes an output, DVC's status (which the Snakefile asks at parse time) is
+    refused with its lock error: a 13-frame traceback before (found from outside)."""
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from dvc.fs import localfs\nfrom dvc.rwlock import rwlock\n"
+         "with rwlock('.dvc/tmp', localfs, 'dvc repro', [], [sys.argv[1]], False):\n"
+         "    print('held', flush=True); time.sleep(120)\n", str(repo / "samples")],
+        cwd=repo, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = run(repo, "snakemake", "-n", check=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert any(line.startswith("Error: DVC is running in this project (") and "wait for it to finish" in line
+               for line in lines), proc.stderr[-3000:]
+    assert "Nothing to be done" in run(repo, "snakemake", "-n").stdout  # once it is gone
+
+
 def test_snakemake_and_dvc_describe_the_same_dag(repo):
     dvc_edges = set(re.findall(r'"([^"]+)" -> "([^"]+)"', run(repo, "dvc", "dag", "--dot").stdout))
     dot = run(repo, "snakemake", "--rulegraph", "--forceall", "--quiet", "all").stdout

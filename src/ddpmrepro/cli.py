@@ -92,6 +92,8 @@ def writes(**declared: str | OutputKind):
         def wrapper(*args, **kwargs):
             options = {p.name: p.opts[0] for p in click.get_current_context().command.params}
             for name, kind in declared.items():
+                if kwargs[name] is None:  # an optional output not asked for
+                    continue
                 problem = output_problem(Path(kwargs[name]), kind)
                 if problem:
                     raise click.ClickException(f"{options[name]} {kwargs[name]}: {problem}")
@@ -101,7 +103,7 @@ def writes(**declared: str | OutputKind):
                 # A write that fails on an open file (disk full, quota, I/O error) carries no file name.
                 if e.filename is not None or e.errno not in _WRITE_ERRNOS:
                     raise
-                written = ", ".join(f"{options[name]} {kwargs[name]}" for name in declared)
+                written = ", ".join(f"{options[name]} {kwargs[name]}" for name in declared if kwargs[name] is not None)
                 raise click.ClickException(f"{e.strerror} while writing {written}") from None
         return wrapper
     return decorate
@@ -354,7 +356,7 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
               help="The test bits/dim `ddpmrepro bits-per-dim` wrote (the pipeline's way: MODEL is then not "
                    "read); without it, computed here from MODEL.")
 @user_errors
-@writes(out="file")
+@writes(out="file", detail_out="file", table_out="file")
 def evaluate(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir: Path, model_dir: Path,
              out: Path, detail_out: Path, live_dir: Path, table_out: Path | None, bpd_path: Path | None) -> None:
     """Score the samples: class accuracy, FID/KID/precision/recall (global and per class,
@@ -442,7 +444,7 @@ def sample_superres(params_path: Path, model_dir: Path, data_dir: Path | None, l
 @click.option("--detail", "detail_out", default="reports/metrics_superres_detail.json", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path))
 @user_errors
-@writes(out="file")
+@writes(out="file", detail_out="file")
 def evaluate_superres(params_path: Path, samples_dir: Path, data_dir: Path, evaluator_dir: Path, out: Path,
                       detail_out: Path) -> None:
     """Score upsampled images beside bicubic upsampling of the same inputs.

@@ -73,7 +73,13 @@ def atomic_write(path: Path, write_to: Callable[[Path], None]) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
-        write_to(tmp)
+        try:
+            write_to(tmp)
+        except Exception as e:
+            full = as_disk_full(e, path)
+            if full is e:
+                raise
+            raise full from e
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -92,6 +98,28 @@ def atomic_write_bytes(path: Path, write) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, lambda f: f.write(text.encode()))
+
+
+def atomic_write_texts(texts: dict[Path, str]) -> None:
+    """Several files that belong together (metrics.json and its detail), all or none: every temp
+    sibling is written and fsynced before the first is renamed into place, so a full disk or a
+    read-only directory leaves each file as it was, never a new headline beside an old detail."""
+    tmps = {Path(p): Path(p).with_name(f".{Path(p).name}.tmp.{os.getpid()}") for p in texts}
+    try:
+        for path, text in texts.items():
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmps[path], "wb") as f:
+                f.write(text.encode())
+                f.flush()
+                os.fsync(f.fileno())
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
+        for parent in {p.parent for p in tmps}:
+            fsync_dir(parent)
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
 
 
 # --- one directory ---------------------------------------------------------------------------------
@@ -203,7 +231,32 @@ def copy_dir(src: Path, dst: Path, kind: OutputKind) -> None:
     """Replaces `dst` (missing, empty or a `kind` output) with a copy of `src` (kept), with
     `replace_dir`'s guarantee."""
     with replacing_dir(dst, kind) as tmp:
-        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        try:
+            shutil.copytree(src, tmp, dirs_exist_ok=True)
+        except shutil.Error as e:  # a list of (src, dst, why) per file, not an OSError
+            full = as_disk_full(e, dst)
+            if full is e:
+                raise
+            raise full from e
+
+
+def as_disk_full(e: Exception, path: Path) -> Exception:
+    """A write that failed because its file system is full, as the OSError(ENOSPC) naming `path` that
+    the commands turn into one line; any other failure as it is. Writers that are not Python's own
+    file objects report a full disk in their own words: safetensors' SafetensorError ("No space left
+    on device (os error 28)"), torch.save's "unexpected pos ..." (a short write, no errno) and
+    shutil's Error (one entry per file), so the file system is asked too."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e
+    text = str(e)
+    try:
+        st = os.statvfs(Path(path).parent if not Path(path).is_dir() else path)
+        full = st.f_bavail * st.f_frsize < (1 << 20)  # under 1 MiB left: the write did not fit
+    except OSError:
+        full = False
+    if full or "No space left on device" in text or "os error 28" in text or "[Errno 28]" in text:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return e
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

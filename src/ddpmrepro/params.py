@@ -666,11 +666,16 @@ def load(path: str | Path = "params.yaml") -> Params:
     return from_dict(raw)
 
 
-def save_resolved(params: Params, path: str | Path, sections: typing.Iterable[str] | None = None) -> None:
-    """Writes the resolved params (all, or some sections) beside an output."""
+def save_resolved(params: Params, path: str | Path, sections: typing.Iterable[str] | None = None,
+                  omit: typing.Iterable[str] = ()) -> None:
+    """Writes the resolved params (all, or some sections, less the `omit` keys "section.key")
+    beside an output."""
     d = params.to_dict()
     if sections is not None:
         d = {s: d[s] for s in sections}
+    for key in omit:
+        section, name = key.split(".")
+        d.get(section, {}).pop(name, None)
     Path(path).write_text(yaml.safe_dump(d, sort_keys=False))
 
 

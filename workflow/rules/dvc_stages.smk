@@ -29,8 +29,12 @@ def sync_stamps():
             # New content, not just a new mtime: Snakemake ignores a newer input whose
             # checksum it has already recorded.
             stamp.write_text(json.dumps({"why": will_run[st.name], "t": time.time()}, default=str))
-        elif not stamp.exists():
-            stamp.write_text("{}")
+        else:
+            # Old again: a stage stale at an earlier parse (an edit since reverted, or run by
+            # `dvc repro`) kept a stamp newer than its outputs, and Snakemake ran it (a DVC
+            # no-op, on SLURM a job with the stage's whole request) at every later call.
+            if not stamp.exists():
+                stamp.write_text("{}")
             os.utime(stamp, (0, 0))
     return set(will_run)
 

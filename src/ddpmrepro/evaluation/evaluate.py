@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data import load_prepared
-from ..files import CheckpointError, atomic_write_text, read_json
+from ..files import CheckpointError, atomic_write_texts, read_json
 from ..params import Params
 from . import bits_per_dim
 from .evaluator import load_evaluator
@@ -134,9 +134,7 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     files = {out: json.dumps(headline, indent=2) + "\n", detail_out: json.dumps(detail, indent=2) + "\n"}
     if table_out:
         files[table_out] = metrics_html(headline, detail)
-    for path, text in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, text)
+    atomic_write_texts(files)  # all three or none: never a new headline beside an old detail
     return headline
 
 

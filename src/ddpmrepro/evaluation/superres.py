@@ -34,7 +34,7 @@ from ..params import Params, ParamsError
 from ..runtime.autocast_network import with_precision
 from ..runtime.memory_layout import memory_layout
 from .evaluate import read_samples
-from .sample import bind_labels, check_guidance, image_seed, process, run_sampler, save_grid
+from .sample import NOT_IN_THE_IMAGES, bind_labels, check_guidance, image_seed, process, run_sampler, save_grid
 
 # An output is consistent with its input when, downsampled back and rounded, it is within this
 # many uint8 levels of it on average (2 levels: the rounding of both images, plus one for the model).
@@ -151,7 +151,7 @@ def _write(out_dir: Path, arrays: dict, class_names, params: Params) -> None:
         np.savez(buf, **arrays)
         files.atomic_write_bytes(tmp / "samples.npz", lambda f: f.write(buf.getvalue()))
         save_grid(arrays["images"], arrays["labels"], class_names, tmp / "grid.png")
-        save_resolved(params, tmp / "params.yaml", sections=("sample", "superres"))
+        save_resolved(params, tmp / "params.yaml", sections=("sample", "superres"), omit=NOT_IN_THE_IMAGES)
 
 
 # --- metrics -----------------------------------------------------------------------------------
@@ -235,8 +235,8 @@ def evaluate_superres(params: Params, samples_dir: Path, data_dir: Path, evaluat
                 v = detail[name][key]
                 headline[f"{'sr' if name == 'model' else 'bicubic'}_{key}"] = None if v is None or not math.isfinite(v) else v
     headline["images"] = int(len(s["images"]))
-    files.atomic_write_text(out, json.dumps(headline, indent=2) + "\n")
-    files.atomic_write_text(detail_out, json.dumps(detail, indent=2) + "\n")
+    files.atomic_write_texts({Path(out): json.dumps(headline, indent=2) + "\n",
+                              Path(detail_out): json.dumps(detail, indent=2) + "\n"})  # both or neither
     return headline
 
 

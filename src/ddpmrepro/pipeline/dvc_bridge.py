@@ -16,6 +16,7 @@ parses, so DVC's status already names the stages they make stale).
 from __future__ import annotations
 
 import os
+import sys
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,10 +96,17 @@ def stages_to_run(root: str | os.PathLike = ".") -> dict[str, object]:
     """Stages DVC would (re)run: those `dvc status` reports, plus their descendants (none for a
     stage marked `no_propagation`)."""
     import networkx as nx
+    from dvc.lock import LockError
     from dvc.repo import Repo
 
     with Repo(os.fspath(root)) as repo:
-        dirty = repo.status()
+        try:
+            dirty = repo.status()
+        except LockError as e:  # a `dvc repro` (or exp run) is writing: what is stale is not known yet
+            blocker = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), "another dvc")
+            print(f"Error: DVC is running in this project ({blocker}), so what it would run cannot be known "
+                  "now; wait for it to finish, then run snakemake again", file=sys.stderr)
+            raise SystemExit(1) from None
         graph = repo.index.graph  # edges point from a stage to the stages it depends on
         by_name = {s.addressing.split(":")[-1]: s for s in graph.nodes if s.cmd}
         result: dict[str, object] = {}
