@@ -45,6 +45,9 @@ def test_every_section_matches_the_dataclass_defaults_keys():
      "introspect.dump_steps[0]: step 20 is after the last step (train.steps: 10)"),
     ({"introspect": {"dump_steps": [5]}}, "introspect.dump_steps: nothing is dumped without introspect.dump_modules"),
     ({"train": {"label_dropout": 1.0}}, "train.label_dropout: 1 replaces every label with the null class"),
+    # both accepted, the second ignored without a word (found from outside)
+    ({"introspect": {"noise_buckets": 4, "noise_bucket_edges": [500]}}, "introspect.noise_buckets: 4 with"),
+    ({"sample": {"eta": 0.5, "sampler": "dpmpp_2m"}}, "sample.eta: 0.5 is DDIM's noise, not used by dpmpp_2m"),
 ])
 def test_bad_values_name_the_key_path(raw, message):
     with pytest.raises(P.ParamsError) as e:

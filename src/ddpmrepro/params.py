@@ -547,6 +547,13 @@ def _check_cross_field(obj, path: str) -> None:
         raise ParamsError(f"{path}.ema_step: {obj.ema_step} needs {path}.ema_length > 0 (the fixed-rate EMAs are "
                           "kept only at the end; the post-hoc EMA's snapshots along the run); set ema_length, "
                           "e.g. 0.1, or ema_step: 0")
+    if isinstance(obj, IntrospectParams) and obj.noise_buckets is not None and obj.noise_bucket_edges:
+        raise ParamsError(f"{path}.noise_buckets: {obj.noise_buckets} with {path}.noise_bucket_edges "
+                          f"{obj.noise_bucket_edges}, which set the buckets instead; give one of them (null, the "
+                          "default, for noise_buckets)")
+    if isinstance(obj, SampleParams) and obj.eta and obj.sampler != "ddim":
+        raise ParamsError(f"{path}.eta: {obj.eta:g} is DDIM's noise, not used by {obj.sampler}; set eta: 0, or "
+                          "sampler: ddim")
     if isinstance(obj, IntrospectParams) and obj.dump_steps and not obj.dump_modules:
         raise ParamsError(f"{path}.dump_steps: nothing is dumped without {path}.dump_modules; name the modules "
                           "to dump, e.g. [\"out\"], or set dump_steps: []")
@@ -722,7 +729,9 @@ def markdown() -> str:
            "- `introspect.steps` and `introspect.dump_steps` lie in 1..`train.steps`; `dump_steps` need `dump_modules`;",
            "- `train.ema_rates`: at least one, each in (0, 1); `train.posthoc_ema`: no length twice; "
            "`model.channel_mult`: not empty;",
-           "- `sample.thresholding: dynamic` needs a fast solver; `sample.churn` > 0 needs `sampler: heun`;",
+           "- `sample.thresholding: dynamic` needs a fast solver; `sample.churn` > 0 needs `sampler: heun`; "
+           "`sample.eta` > 0 needs `sampler: ddim`;",
+           "- `introspect.noise_buckets` or `noise_bucket_edges`, not both;",
            "- `train.label_dropout: 1` only with `model.class_cond: false` (or `train.import_from`): it would "
            "leave the class embeddings untrained;",
            "- `diffusion.min_snr_gamma`, `p2_k`, `p2_gamma` only with their `loss_weighting`, and no weighting with "
