@@ -131,7 +131,7 @@ def outputs(tmp_path, monkeypatch) -> Path:
     for rel in ("data/train-00000.images.npy", "data/manifest.json", "evaluator/model.safetensors",
                 "evaluator/config.json", "evaluator/metrics.json", "model/model.safetensors", "model/config.json",
                 "model/SHA256SUMS", "live/metrics.json", "live/plots/metrics/loss.tsv", "introspect/steps.tsv",
-                "ckpt/a/b/step_000000001.pt", "samples/samples.npz", "metrics.json", "figures/loss.png"):
+                "ckpt/a/b/step_000000001.pt", "samples/samples.npz", "metrics.json", "figures/training_curves.png"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(f"earlier {rel}".encode())
     return tmp_path
@@ -596,7 +596,7 @@ def test_a_file_where_an_output_directory_belongs_is_one_line(trainable, stage, 
 
 # The options whose directory a stage replaces whole (the others write files into theirs).
 REPLACED_DIRS = [(s, o) for s, o in OUTPUT_OPTIONS if (s, o) not in {("train", "--checkpoints"), ("evaluate", "--out"),
-                                                                     ("evaluate", "--detail"), ("report", "--out")}]
+                                                                     ("evaluate", "--detail")}]
 
 
 @pytest.mark.parametrize("stage, option", REPLACED_DIRS)

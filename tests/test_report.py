@@ -197,14 +197,22 @@ def test_the_learned_loss_weighting_is_drawn_one_line_per_chosen_step(tmp_path, 
 
 def test_a_report_into_an_earlier_reports_folder_leaves_only_its_own_figures(tmp_path):
     """By hand, `ddpmrepro report --out DIR` twice: the second run (`learned` turned off) must not
-    leave the first run's loss_weight.png beside its own figures, and keeps what is not a figure."""
+    leave the first run's loss_weight.png beside its own figures. The folder is replaced whole, as
+    every stage's output directory is (an interrupted report left 3 new figures beside 6 old ones
+    that looked like one report: found from outside); a folder that is no report is refused."""
     learned_weighting_run(tmp_path / "learned", [10, 20])
     live_metrics(tmp_path / "live")
     out = tmp_path / "figs"
     first = make_report(tmp_path / "learned", tmp_path / "live", out, ReportParams())
     assert (out / "loss_weight.png") in first
-    (out / "notes.txt").write_text("mine")
     synthetic_run(tmp_path / "plain")
     second = make_report(tmp_path / "plain", tmp_path / "live", out, ReportParams(top_k=3))
     assert "loss_weight.png" not in {p.name for p in second}
-    assert sorted(p.name for p in out.iterdir()) == sorted([p.name for p in second] + ["notes.txt"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in second)
+    assert all(p.parent == out for p in second)
+    other = tmp_path / "thesis"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(Exception, match="is not a figures directory"):
+        make_report(tmp_path / "plain", tmp_path / "live", other, ReportParams())
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]

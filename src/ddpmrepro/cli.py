@@ -469,7 +469,7 @@ def evaluate_superres(params_path: Path, samples_dir: Path, data_dir: Path, eval
 @click.option("--live", "live_dir", default="reports/train/live", show_default=True, type=click.Path(path_type=Path))
 @click.option("--out", default="reports/figures", show_default=True, type=click.Path(path_type=Path))
 @user_errors
-@writes(out="dir")
+@writes(out=outputs.FIGURES)
 def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -> None:
     """Draw the gradient and training figures.
 

@@ -42,6 +42,8 @@ INTROSPECTION = _kind("an introspection directory (train --introspect)", {"steps
                       {"act_grads"}, {"noise_levels"}, {"loss_weight"})
 SAMPLES = _kind("a samples directory (sample, sample-superres)", {"samples.npz"})
 DIFFUSERS = _kind("a diffusers pipeline folder (export)", {"model_index.json"})
+# Every report of a trained model draws the training curves; an imported one's says so instead.
+FIGURES = _kind("a figures directory (report)", {"training_curves.png"}, {"IMPORTED.txt"})
 
 
 class OutputRefused(ValueError):

@@ -32,7 +32,7 @@ from matplotlib.ticker import FormatStrFormatter, LogLocator, MaxNLocator  # noq
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .. import files  # noqa: E402
+from .. import files, outputs  # noqa: E402
 from ..tables import read_table  # noqa: E402  (the training's tables, not its code)
 from ..params import ReportParams  # noqa: E402
 
@@ -298,7 +298,8 @@ def _require_dir(path: Path, what: str, option: str) -> None:
 
 def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str | Path, params: ReportParams,
                 imported_from: str = "") -> list[Path]:
-    """Draws the figures into `out_dir` and returns their paths.
+    """Draws the figures into `out_dir`, replacing it whole (an interrupted or failed report leaves
+    the old one as it was, never old figures beside new ones), and returns their paths.
 
     Raises `ReportInputError` before writing anything when either input directory is missing or
     holds nothing to draw: a report of zero figures would look like success. The exception is a
@@ -306,14 +307,10 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
     to draw, so `out_dir` gets only IMPORTED.txt saying so, and no figures.
     """
     if imported_from:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob("*.png"):  # from a trained model that was here before
-            stale.unlink()
-        note = out / "IMPORTED.txt"
-        files.atomic_write_text(note, f"The model was imported from {imported_from} (train.import_from), not trained "
-                                "here:\nthere are no loss curves or gradient tables to draw. metrics.json has its "
-                                "evaluation.\n")
+        with files.replacing_dir(Path(out_dir), outputs.FIGURES) as tmp:
+            (tmp / "IMPORTED.txt").write_text(
+                f"The model was imported from {imported_from} (train.import_from), not trained here:\nthere are "
+                "no loss curves or gradient tables to draw. metrics.json has its evaluation.\n")
         return []
     introspect_dir, live_dir = Path(introspect_dir), Path(live_dir)
     _require_dir(introspect_dir, "introspection", "--introspect")
@@ -334,8 +331,12 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
     metrics = read_live_metrics(live_dir)
     if not metrics:
         raise ReportInputError(f"{live_dir}: no dvclive metrics (no plots/metrics/*.tsv with rows); train writes them")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with files.replacing_dir(Path(out_dir), outputs.FIGURES) as tmp:
+        written = _draw(tmp, pg, ag, st, metrics, introspect_dir, params)
+    return [Path(out_dir) / p.name for p in written]
+
+
+def _draw(out: Path, pg, ag, st, metrics, introspect_dir: Path, params: ReportParams) -> list[Path]:
     written: list[Path] = []
     pt = group_param_rows(pg) if len(pg) else None
     at = act_rows(ag) if len(ag) else None
@@ -369,10 +370,6 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
     if len(weighting):
         written.append(_save(loss_weight_figure(weighting), out / "loss_weight.png"))
     written.append(_training_curves(metrics, out / "training_curves.png"))
-    for stale in (out / name for name in FIGURES):
-        if stale not in written and stale.exists():
-            log.info("removing %s: an earlier report's figure that this run does not draw", stale)
-            stale.unlink()
     return written
 
 
