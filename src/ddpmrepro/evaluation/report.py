@@ -15,8 +15,9 @@ directory is an error, not an empty report):
                              only under `diffusion.loss_weighting: learned`)
 * `training_curves.png`      every dvclive metric in `live_dir/plots/metrics/**/*.tsv`
 
-`FIGURES` names them all. A figure of an earlier report in the same directory that this run does
-not draw (loss_weight.png after `learned` was turned off) is removed, so the directory shows one run.
+`FIGURES` names them all. The directory is replaced whole (`files.replacing_dir`), so it shows one
+run: never a figure of an earlier report that this one does not draw (loss_weight.png after `learned`
+was turned off), nor, after an interrupted report, old figures beside new ones.
 """
 from __future__ import annotations
 
