@@ -283,7 +283,7 @@ def test_a_stage_stale_at_one_snakemake_parse_and_not_at_the_next_is_not_run(rep
     from outside). DVC would run nothing, so Snakemake must not either."""
     path = repo / "params.yaml"
     original = path.read_text()
-    set_param(repo, "train", "lr", 1e-3)
+    set_param(repo, "train", "lr", 2 * yaml.safe_load(original)["train"]["lr"])  # another value than the last run's
     try:
         dry = run(repo, "snakemake", "-n").stdout
         assert {"check_params", "train"} <= set(re.findall(r"rule (\w+):", dry)), dry[-2000:]

@@ -175,7 +175,7 @@ def test_pipeline_runs_as_slurm_jobs_with_each_stages_resources(repo):
     # git sees what a user commits after a run (docs/CLUSTER.md), and nothing else
     status = run(repo, "git", "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
     changed = {line[3:] for line in status}
-    commit = {"dvc.lock", "metrics.json", "reports/metrics_detail.json", "reports/metrics.html",
+    commit = {"dvc.lock", "metrics.json", "reports/metrics_detail.json", "reports/metrics.html", "reports/bpd.json",
               "data/.gitignore", "models/.gitignore", "reports/.gitignore", "reports/train/live/.gitignore"}
     folders = ("reports/train/live/plots/", "reports/params/")  # dvclive's series; params resolved per section
     assert {p for p in changed if not p.startswith(folders)} == commit, status
