@@ -82,7 +82,10 @@ def documented_experiments() -> list[tuple[str, dict]]:
     return found
 
 
-@pytest.mark.parametrize("where, sets", documented_experiments(), ids=[w for w, _ in documented_experiments()])
+EXPERIMENTS = documented_experiments()
+
+
+@pytest.mark.parametrize("where, sets", EXPERIMENTS, ids=[w for w, _ in EXPERIMENTS])
 def test_every_documented_experiment_passes_check_params_on_the_default_params(where, sets):
     import itertools
 
