@@ -7,6 +7,7 @@
 #
 #     bash benchmarks/on_gpu.sh [OUT]
 #     PARTS="train-step growth" bash benchmarks/on_gpu.sh [OUT]     # only these parts
+#     REHEARSE=1 PYTHON=.venv/bin/python bash benchmarks/on_gpu.sh /tmp/reh   # every part on this CPU, toy size (~7 min)
 #
 # The default parts answer issue 38's open questions in one device command of at most 7 minutes (their
 # limits add up to 420 s; expect about 4), leaving time in a 15-minute loan for the card's start-up and one rerun:
@@ -34,10 +35,32 @@ if [ -d .whl ] && ! "$PY" -c 'import dvclive' 2>/dev/null; then
         2>&1 | tee -a "$LOG"
     export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-PARTS=${PARTS:-environment cuda-tests train-step train-graphs}
+# REHEARSE=1: every part (or PARTS) on this machine's CPU at a toy size: the same command lines with the
+# overrides of toy_args after them (argparse keeps an option's last value), so that a part the code has
+# broken since the last card fails here, not in a loan's minutes (tests/test_benchmarks.py runs it).
+REHEARSE=${REHEARSE:-}
+if [ -n "$REHEARSE" ]; then PARTS=${PARTS:-all}; else PARTS=${PARTS:-environment cuda-tests train-step train-graphs}; fi
+toy_args() {  # toy_args SCRIPT: a benchmark's options for a toy size on the CPU
+    local tiny="--device cpu --preset tiny --image-size 8 --channels 1"
+    case "$1" in
+        */train_step.py) echo "$tiny --batch 4 --steps 2 --rounds 1 --warmup 0" ;;
+        */step_host_profile.py) echo "$tiny --batch 4 --steps 2 --warmup 0 --top 3" ;;
+        */sample_speed.py) echo "$tiny --batch 4 --rounds 1 --warmup 0 --ddpm-images 2 --ddpm-rounds 1" ;;
+        */op_count.py) echo "$tiny --batch 4 --steps 2" ;;
+        */graph_step.py) echo "$tiny --batches 4 --steps 2 --rounds 1 --warmup 0 --modes eager,eager+cl" ;;  # graph: CUDA only
+        */growth.py) echo "--device cpu --presets tiny --sizes 8 --batch 2 --steps 1 --rounds 1 --warmup 0" ;;
+        */mfu.py) echo "--device cpu --presets tiny --image-size 8 --channels 1 --batches 4 --steps 1 --rounds 1 \
+            --warmup 0 --profile-steps 1" ;;
+    esac
+}
 part() {  # part SECONDS NAME COMMAND...: runs COMMAND under a time limit, logs it, never stops the script
     local limit=$1 name=$2; shift 2
-    [[ " $PARTS " == *" $name "* ]] || return 0
+    [[ " $PARTS " == *" $name "* || "$PARTS" == all ]] || return 0
+    if [ -n "$REHEARSE" ]; then
+        [ "$name" = environment ] && return 0  # nvidia-smi and the card's GroupNorm: nothing to rehearse
+        # shellcheck disable=SC2046  # toy_args' words are options without spaces
+        set -- "$@" $(toy_args "$2")
+    fi
     echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
     local t0=$SECONDS
     timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"

@@ -695,3 +695,54 @@ def test_reader_contention_benchmark_pairs_each_arrangement_with_rows_only(tmp_p
     if saved:
         assert r["share_of_draws_cost_saved_by_the_reader"]["median"] == pytest.approx(statistics.median(saved))
     assert r["draws_cpu_ms_on_the_calling_thread"]["median"] > 0 and r["image"] == [1, 8, 8]
+
+
+# --- benchmarks/on_gpu.sh: the prepared GPU check, rehearsed on the CPU -------------------------
+
+ON_GPU = ROOT / "benchmarks" / "on_gpu.sh"
+
+
+def on_gpu_parts() -> list[str]:
+    import re
+
+    return re.findall(r"^part \d+ ([\w-]+) ", ON_GPU.read_text(), flags=re.M)
+
+
+def test_on_gpu_parts_named_in_its_instructions_exist():
+    """The header's `PARTS="..."` batches are what the next GPU session types: each name a part."""
+    import re
+
+    parts = set(on_gpu_parts())
+    named = {p for batch in re.findall(r'PARTS="([^"]*)"', ON_GPU.read_text()) for p in batch.split()}
+    named |= set(re.search(r"PARTS=\$\{PARTS:-([^}]*)\}; fi", ON_GPU.read_text()).group(1).split())
+    assert len(parts) == len(set(on_gpu_parts())) >= 17
+    assert named - {"..."} <= parts, named - parts
+
+
+@pytest.mark.slow
+def test_on_gpu_script_runs_each_benchmark_part_at_toy_size_on_the_cpu(tmp_path):
+    """REHEARSE=1: the card's command lines, toy overrides appended. A part whose options the code no
+    longer accepts exits non-zero here instead of in a lent card's minutes. Every benchmark script is
+    covered; the parts left out add only torch.compile on the CPU (minutes) to what is run."""
+    parts = ["host-profile", "train-step", "train-cl", "sample-cl", "sample-graphs-1000", "growth", "mfu",
+             "mfu-best", "op-count", "graphs"]
+    assert set(parts) <= set(on_gpu_parts())
+    env = {**os.environ, "REHEARSE": "1", "PARTS": " ".join(parts), "PYTHON": sys.executable,
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(["bash", str(ON_GPU), str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    log = out.stdout + out.stderr
+    exits = {}
+    for line in log.splitlines():
+        if line.startswith("=== ") and ": exit " in line:
+            name, rest = line[4:].split(": exit ")
+            exits[name] = int(rest.split()[0])
+    assert exits == {p: 0 for p in parts}, log[-4000:]
+    written = {p.name for p in tmp_path.glob("*.json")}
+    assert written == {"train_step-bf16.json", "train_step-bf16-cl.json", "sample_speed-ddim50-graphs-bf16-cl.json",
+                       "sample_speed-ddim50-graphs-b1000.json", "growth-bf16.json", "mfu-bf16.json",
+                       "mfu-bf16-graphs-compile.json", "op_count-bf16.json", "graph_step-bf16.json"}, written
+    # the toy options came after the card's: each JSON says it ran on the CPU
+    for name in written:
+        record = json.loads((tmp_path / name).read_text())
+        assert "cpu" in json.dumps(record.get("device", record.get("command"))).lower(), (name, record.get("device"))
