@@ -9,6 +9,7 @@ import yaml
 from snakemake.utils import min_version
 
 from ddpmrepro.pipeline.check_params import check_params_file
+from ddpmrepro.pipeline.dvc_bridge import is_dry_run
 
 min_version("9.0")
 
@@ -30,7 +31,9 @@ with open("params.yaml") as _f:
 # The main process also brings reports/params/ (check_params' outputs, the --out of its command
 # in dvc.yaml) up to date, so DVC's status already shows what a params edit makes stale; a job's
 # own parse only reads them (where they match, it skips building the network: no torch import).
-check_params_file("params.yaml", "reports/params", write=workflow.is_main_process)
+# A dry run (-n) writes nothing: each stage's `params:` in dvc.yaml already makes DVC's status see
+# an edit of its sections; only a default changed in the code is seen by the real run alone.
+check_params_file("params.yaml", "reports/params", write=workflow.is_main_process and not is_dry_run(workflow))
 
 
 include: "workflow/rules/slurm.smk"

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddpmrepro.pipeline.dvc_bridge import expand_source_dir, load_stages, stages_to_run
+from ddpmrepro.pipeline.dvc_bridge import expand_source_dir, is_dry_run, load_stages, stages_to_run
 
 STAGES = load_stages(".")
 # The job's script, from the working directory: the project root, or cascade/ for the cascade's Snakefile.
@@ -39,15 +39,20 @@ def sync_stamps():
     return set(will_run)
 
 
-def recover_backups():
+def recover_backups(dry_run=False):
     """Backups of git-tracked outputs left by a Snakemake that was killed while their job ran:
-    puts back what that job deleted, drops the rest (Snakemake refuses to back up over them)."""
+    puts back what that job deleted, drops the rest (Snakemake refuses to back up over them).
+    A dry run only says what the next run will put back."""
     if any(Path(".snakemake/locks").glob("*")):
         return  # a running Snakemake's (or a stale lock, which `snakemake --unlock` clears first)
     backups = Path(".snakemake/backups")
     for o in (o for st in STAGES for o in st.outs if not o.cache):
         backup, out = backups / o.path, Path(o.path)
         if not backup.exists():
+            continue
+        if dry_run:
+            if not out.exists():
+                print(f"{o.path}: will be restored from {backup} by a run (its job was interrupted)", file=sys.stderr)
             continue
         if not out.exists():
             shutil.move(backup, out)
@@ -60,7 +65,7 @@ def recover_backups():
 
 # Cluster job steps re-parse this file: only the main process asks DVC.
 if workflow.is_main_process:
-    recover_backups()
+    recover_backups(dry_run=is_dry_run(workflow))
 WILL_RUN = sync_stamps() if workflow.is_main_process else {st.name for st in STAGES}
 
 

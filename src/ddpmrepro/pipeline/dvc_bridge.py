@@ -92,6 +92,12 @@ def expand_source_dir(path: str, produced: set[str]) -> list[str]:
                   if f.is_file() and not (IGNORED_PARTS & set(f.parts)) and f.suffix not in IGNORED_SUFFIXES)
 
 
+def is_dry_run(workflow) -> bool:
+    """`snakemake -n`, known while the Snakefile is parsed (its executor is chosen only after)."""
+    settings = getattr(workflow, "output_settings", None)
+    return bool(settings is not None and settings.dryrun)
+
+
 def stages_to_run(root: str | os.PathLike = ".") -> dict[str, object]:
     """Stages DVC would (re)run: those `dvc status` reports, plus their descendants (none for a
     stage marked `no_propagation`)."""
