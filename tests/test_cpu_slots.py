@@ -76,7 +76,11 @@ def test_share_is_omp_num_threads_capped_at_the_usable_cores_else_all_of_them():
     assert cpu_slots.share({}, cores=8) == 8
     assert cpu_slots.share({"OMP_NUM_THREADS": "2"}, cores=8) == 2
     assert cpu_slots.share({"OMP_NUM_THREADS": "16"}, cores=8) == 8
-    assert cpu_slots.share({"OMP_NUM_THREADS": "0"}, cores=8) == 1
+    assert cpu_slots.share({"OMP_NUM_THREADS": " "}, cores=8) == 8  # set but empty: as unset
+    for bad in ("0", "-2"):
+        with pytest.raises(cpu_slots.CpuSlotsError, match=f"OMP_NUM_THREADS='{bad}' is not a number of threads "
+                           r"\(at least 1\); unset it to use all 8 usable cores"):
+            cpu_slots.share({"OMP_NUM_THREADS": bad}, cores=8)
     with pytest.raises(cpu_slots.CpuSlotsError, match="OMP_NUM_THREADS='two' is not a whole number"):
         cpu_slots.share({"OMP_NUM_THREADS": "two"}, cores=8)
 

@@ -60,7 +60,10 @@ def share(env=os.environ, cores: int | None = None) -> int:
         n = int(value)
     except ValueError:
         raise CpuSlotsError(f"OMP_NUM_THREADS={value!r} is not a whole number of threads") from None
-    return max(1, min(n, cores))
+    if n < 1:  # OpenMP leaves it undefined; one thread or all of them would each surprise someone
+        raise CpuSlotsError(f"OMP_NUM_THREADS={value!r} is not a number of threads (at least 1); "
+                            f"unset it to use all {cores} usable cores")
+    return min(n, cores)
 
 
 def claim(nproc: int = 1, *, env=os.environ, timeout: float | None = None, poll_s: float = 2.0,
