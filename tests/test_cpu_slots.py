@@ -128,6 +128,18 @@ def test_off_switch_changes_nothing(tmp_path):
     assert not (tmp_path / "locks").exists()
 
 
-def test_slurm_jobs_lock_within_their_own_allocation():
+def test_slurm_jobs_lock_within_their_own_allocation(tmp_path):
     assert cpu_slots.lock_dir({"DDPMREPRO_CPU_LOCK_DIR": "/x", "SLURM_JOB_ID": "11"}) == Path("/x/slurm-11")
-    assert cpu_slots.lock_dir({"TMPDIR": "/scratch"}) == Path(f"/scratch/ddpmrepro-cpus-{os.getuid()}")
+    assert cpu_slots.lock_dir({"TMPDIR": str(tmp_path)}) == tmp_path / f"ddpmrepro-cpus-{os.getuid()}"
+
+
+def test_a_tmpdir_that_is_not_there_is_refused_not_made(tmp_path):
+    """A misspelt TMPDIR made on the spot held locks no other job saw: two jobs shared the cores."""
+    missing = tmp_path / "scrach"
+    with pytest.raises(cpu_slots.slots.SlotsError, match=f"TMPDIR={missing} is not a directory .the CPU locks"):
+        cpu_slots.lock_dir({"TMPDIR": str(missing)})
+    assert not missing.exists()
+    # a SLURM job's locks are its own, under the TMPDIR it was given (one exported from the login
+    # node may be missing on the compute node): made there, as before
+    assert cpu_slots.lock_dir({"TMPDIR": str(missing), "SLURM_JOB_ID": "7"}) == \
+        missing / f"ddpmrepro-cpus-{os.getuid()}" / "slurm-7"

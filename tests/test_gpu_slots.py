@@ -186,8 +186,10 @@ def test_claim_opt_out_and_wait_setting(tmp_path):
         gpu_slots.claim(1, device_count=1, env=env)
 
 
-def test_default_lock_dir_is_per_user_under_tmpdir():
-    assert gpu_slots.lock_dir({"TMPDIR": "/scratch"}) == Path(f"/scratch/ddpmrepro-gpus-{os.getuid()}")
+def test_default_lock_dir_is_per_user_under_tmpdir(tmp_path):
+    assert gpu_slots.lock_dir({"TMPDIR": str(tmp_path)}) == tmp_path / f"ddpmrepro-gpus-{os.getuid()}"
+    with pytest.raises(gpu_slots.slots.SlotsError, match="TMPDIR=/nonexistent-scratch is not a directory .the GPU"):
+        gpu_slots.lock_dir({"TMPDIR": "/nonexistent-scratch"})
 
 
 @pytest.fixture

@@ -40,7 +40,15 @@ def lock_dir(kind: str, env=os.environ) -> Path:
     else:
         import tempfile
 
-        base = Path(env.get("TMPDIR") or tempfile.gettempdir()) / f"ddpmrepro-{kind}-{os.getuid()}"
+        tmp = env.get("TMPDIR")
+        # A misspelt TMPDIR made on the spot would hold locks that no job with the right one sees:
+        # jobs would share cores or GPUs without a word (tempfile itself falls back to /tmp). In a
+        # SLURM job the locks are the job's alone, and a TMPDIR exported from the login node may be
+        # missing on a compute node: made there, as before.
+        if tmp and not env.get("SLURM_JOB_ID") and not Path(tmp).is_dir():
+            raise SlotsError(f"TMPDIR={tmp} is not a directory (the {kind[:-1].upper()} locks live under it); "
+                             "create it, or unset TMPDIR")
+        base = Path(tmp or tempfile.gettempdir()) / f"ddpmrepro-{kind}-{os.getuid()}"
     return base / f"slurm-{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else base
 
 
