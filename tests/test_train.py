@@ -338,6 +338,33 @@ def test_other_introspect_settings_on_a_finished_run_record_again_instead_of_han
 
 
 @pytest.mark.slow
+def test_another_log_every_on_a_finished_run_says_its_curves_keep_their_cadence(tmp_path, prepared, straight_runs):
+    """train.log_every is operational (not hashed): a finished run hands back the curves it logged
+    every 2 steps under `log_every: 4`. It says so, and how to get the new cadence: deleting the run
+    directory trains again to the same weights, logged every 4."""
+    import pandas as pd
+
+    straight = straight_runs(1)
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    params = write_params(run / "p.yaml", train={"log_every": 4})
+    proc = subprocess.run(train_cmd(run, prepared, params, 1), env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (ckpt_dir,) = (run / "ckpt").glob("*/*")
+    assert (f"note: train.log_every is 4, but this run was found finished at step 8 with its curves logged every 2 "
+            f"steps (and its final loss the mean of the last 2): nothing is retrained. For the new cadence, delete "
+            f"{ckpt_dir} and train again") in proc.stderr, proc.stderr[-3000:]
+    assert live_series(run) == live_series(straight)
+    shutil.rmtree(ckpt_dir)
+    proc = subprocess.run(train_cmd(run, prepared, params, 1), env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "note:" not in proc.stderr, proc.stderr[-3000:]
+    loss = pd.read_csv(run / "live" / "plots" / "metrics" / "loss.tsv", sep="\t")
+    assert loss["step"].tolist() == [4, 8]
+    for name in ("model.safetensors", "ema_0.9.safetensors", "ema_0.99.safetensors"):
+        assert (run / "model" / name).read_bytes() == (straight / "model" / name).read_bytes(), name
+
+
+@pytest.mark.slow
 def test_dump_steps_are_recorded_steps_in_the_same_numbering(tmp_path, prepared):
     # Neither `every` nor `steps` names step 2: a dump step is recorded anyway, tables and dump alike.
     import pandas as pd

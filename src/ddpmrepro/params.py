@@ -244,7 +244,8 @@ class TrainParams:
                                                "and on Ctrl-C/SIGTERM). Operational: not part of the run hash.")
     keep_checkpoints: int = _f(2, min=1, doc="Newest checkpoints kept. Operational.")
     log_every: int = _f(25, min=1, doc="dvclive point every k steps (and at the last): means over the window. "
-                                       "Operational.")
+                                       "Operational: a run found finished keeps the curves it logged (a note "
+                                       "says so).")
     on_nonfinite: str = _f("error", choices=("error", "skip"), doc="A NaN/inf gradient norm under fp32/bf16: "
                                                                    "`error` stops without saving past it, "
                                                                    "`skip` skips the update and counts it. "

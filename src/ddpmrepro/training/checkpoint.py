@@ -130,10 +130,12 @@ class CheckpointIO:
 
     def __init__(self, **objects):
         self.objects = objects
+        self.saved_params: dict = {}
 
     def state_dict(self, step: int, *, run_hash: str, code_version: str, **extra) -> dict:
         """Every object's state (call it on every rank: a state may be a collective, like the
-        statistics gathered from every rank); `extra` is recorded, never read back."""
+        statistics gathered from every rank); `extra` is recorded, and after a load only its
+        `params` is read back (`saved_params`), for notes, never to restore a state."""
         return {"step": step, **{name: obj.state_dict() for name, obj in self.objects.items()},
                 "run_hash": run_hash, "code_version": code_version, **extra}
 
@@ -161,6 +163,7 @@ class CheckpointIO:
             except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
                 raise CheckpointError(f"{path}: its {name} state does not fit this run ({str(e).splitlines()[0][:200]}); "
                                       "delete it to resume from an earlier checkpoint") from None
+        self.saved_params = state.get("params") if isinstance(state.get("params"), dict) else {}
         return step
 
 

@@ -228,6 +228,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             start_step = checkpoint.load(latest, run_hash=run_id, code_version=version)
             if main:
                 log.info("resuming from %s (step %d)", latest, start_step)
+                _note_finished_log_cadence(checkpoint.saved_params, p, start_step, ckpt_dir)
         introspection.open_tables(ckpt_dir / "introspect", start_step)
         compiler(raw_model, eager_inside=introspection.hooked_modules)  # after the EMA copies; hooked blocks stay eager
         # Under train.cuda_graphs the gradients are all-reduced after the backward, not by DDP's hooks inside it.
@@ -390,6 +391,18 @@ def _refuse_interrupted_run_of_other_code(ckpt_dir: Path, steps: int) -> None:
                 f"{latest}: an interrupted run of these params under code version {other.name} (this code is "
                 f"{ckpt_dir.name}); rerun with `ddpmrepro train --restart` to start over with this code "
                 "(that checkpoint is kept), or restore that code to resume it")
+
+
+def _note_finished_log_cadence(saved: dict, p, step: int, ckpt_dir: Path) -> None:
+    """train.log_every is operational (a resumed run may log at another cadence from then on), so a
+    run found finished hands back the curves it logged, and metrics.json's final loss is the mean of
+    that cadence's last window: say so when the params ask for another."""
+    logged = (saved.get("train") or {}).get("log_every")
+    if step >= p.steps and isinstance(logged, int) and logged != p.log_every:
+        print(f"note: train.log_every is {p.log_every}, but this run was found finished at step {step} with its "
+              f"curves logged every {logged} steps (and its final loss the mean of the last {logged}): nothing "
+              f"is retrained. For the new cadence, delete {ckpt_dir} and train again (to the same weights)",
+              file=sys.stderr)
 
 
 def _agree(flag: bool) -> bool:
