@@ -132,6 +132,21 @@ def test_a_key_given_twice_is_one_line_naming_it_and_its_line(tmp_path):
     assert P.load(path).train.lr == 0.1
 
 
+def test_yaml_merge_keys_read_as_dvc_reads_them(tmp_path):
+    """`<<:` (YAML's merge key) was refused by the duplicate-key check with PyYAML's words ("could not
+    determine a constructor for the tag ...merge"); DVC reads it, a key written out overriding the merged one."""
+    from dvc.utils.serialize import load_yaml
+
+    path = tmp_path / "params.yaml"
+    path.write_text("sample:\n  seed: 3\n"
+                    "train:\n  <<: {lr: 0.002, steps: 10}\n  lr: 0.003\n")
+    params, dvc_view = P.load(path), load_yaml(path)
+    assert (params.train.lr, params.train.steps) == (0.003, 10) == (dvc_view["train"]["lr"], dvc_view["train"]["steps"])
+    path.write_text("train:\n  <<: {lr: 0.002}\n  lr: 0.003\n  lr: 0.004\n")  # written twice is still refused
+    with pytest.raises(P.ParamsError, match=r"line 4 is not valid YAML \(the key 'lr' is given twice"):
+        P.load(path)
+
+
 @pytest.mark.parametrize("raw", [{"train": {"label_dropout": 1.0}, "model": {"class_cond": False}},
                                  {"train": {"label_dropout": 1.0, "import_from": "some/model"}},
                                  {"train": {"label_dropout": 0.99}}])
