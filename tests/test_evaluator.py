@@ -1,6 +1,7 @@
 """The evaluator classifier: accuracy on digits, determinism, safetensors round trip, clear errors."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -95,7 +96,7 @@ def test_safetensors_round_trip_gives_identical_logits(fitted, tmp_path):
     copy.mkdir()
     save_file({k: v.contiguous() for k, v in ev.net.state_dict().items()}, copy / "model.safetensors")
     cfg = json.loads((fitted["dir"] / "config.json").read_text())
-    cfg.pop("model_sha256")  # re-serialised bytes may differ; the weights must not
+    cfg["model_sha256"] = hashlib.sha256((copy / "model.safetensors").read_bytes()).hexdigest()  # new bytes
     (copy / "config.json").write_text(json.dumps(cfg))
     np.testing.assert_array_equal(load_evaluator(copy).logits(xte), ev.logits(xte))
 
@@ -118,17 +119,25 @@ def test_corrupt_model_file_gives_clear_error(fitted, tmp_path, damage):
         load_evaluator(d)
 
 
-def test_unreadable_file_without_checksum_and_wrong_shapes(fitted, tmp_path):
+def test_no_checksum_an_unreadable_file_with_its_checksum_and_wrong_shapes(fitted, tmp_path):
     d = tmp_path / "ev"
     shutil.copytree(fitted["dir"], d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg.pop("model_sha256")
+    cfg.pop("model_sha256")  # every evaluator is written with it: without it nothing would check the weights
     (d / "config.json").write_text(json.dumps(cfg))
-    (d / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json")
+    with pytest.raises(EvaluatorError, match=r"config.json: no model_sha256, so the weights cannot be checked; "
+                                             r"re-run `ddpmrepro fit-evaluator`"):
+        load_evaluator(d)
+
+    bad = b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json"
+    (d / "model.safetensors").write_bytes(bad)
+    cfg["model_sha256"] = hashlib.sha256(bad).hexdigest()
+    (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EvaluatorError, match="not a readable safetensors file"):
         load_evaluator(d)
 
     shutil.copy(fitted["dir"] / "model.safetensors", d / "model.safetensors")
+    cfg["model_sha256"] = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()
     cfg["architecture"]["widths"] = [16, 32, 64]
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EvaluatorError, match="do not fit config.json"):

@@ -39,8 +39,9 @@ def test_written_whole_and_read_back(tmp_path):
     write_model(out, config([0.999]), raw.state_dict(), {0.999: ema.state_dict()})
     assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "config.json", "ema_0.999.safetensors",
                                                      "model.safetensors"]
-    assert (out / "config.json").read_text() == json.dumps(config([0.999]), indent=2)  # no newline, as ever
-    assert read_config(out) == config([0.999])
+    # no newline, as ever; the last key says the directory has its sums
+    assert (out / "config.json").read_text() == json.dumps({**config([0.999]), "checksums": "SHA256SUMS"}, indent=2)
+    assert read_config(out) == {**config([0.999]), "checksums": "SHA256SUMS"}
     for rate, net in ((0, raw), (0.999, ema)):
         model, trained, _ = load_model(out, rate)
         assert trained == PARAMS and not model.training
@@ -95,12 +96,33 @@ def test_the_weights_sums_are_sha256sums_and_a_damaged_or_unlisted_file_is_refus
                                                 r"or modified since it was written\); restore the model directory"):
         load_model(out, 0.9)
     load_model(out, 0)
+    # hard-linked to DVC's cache (.dvc/config), a damaged file is damaged there too: checkout cannot help
+    import os
+
+    os.link(ema, tmp_path / "cache-copy")
+    with pytest.raises(F.CheckpointError, match=r"ema_0.9.safetensors: sha256 differs .* its bytes are shared by 2 "
+                                                r"hard links \(DVC's cache, the run's checkpoint directory\), so `dvc checkout` cannot "
+                                                r"restore them: `dvc pull --force models/ddpm` from a remote, or "
+                                                r"retrain with `ddpmrepro train --restart`"):
+        load_model(out, 0.9)
     # a weights file the sums do not list cannot be checked: refused too
-    (out / "SHA256SUMS").write_text(listed.splitlines()[1] + "\n")
+    (out / "SHA256SUMS").write_text("".join(line + "\n" for line in listed.splitlines()[:2]))  # config, EMA
     with pytest.raises(F.CheckpointError, match=r"model.safetensors: not listed in"):
         load_model(out, 0)
-    # a directory written before the sums were kept is read as it is
-    (out / "SHA256SUMS").unlink()
+    # emptied or deleted, the sums checked nothing (found from outside): config.json says they must be there
+    for emptied in (True, False):
+        if emptied:
+            (out / "SHA256SUMS").write_text("")
+        else:
+            (out / "SHA256SUMS").unlink()
+        with pytest.raises(F.CheckpointError, match=r"m/SHA256SUMS: missing, or it does not list config.json, in a "
+                                                    r"directory written with its sums: nothing in it can be checked; "
+                                                    r"restore the model directory"):
+            load_model(out, 0)
+    # a directory written before the sums were kept (no `checksums` in its config.json) is read as it is
+    c = json.loads((out / "config.json").read_text())
+    del c["checksums"]
+    (out / "config.json").write_text(json.dumps(c, indent=2))
     load_model(out, 0)
 
 
@@ -173,4 +195,4 @@ def test_weights_with_a_nan_are_one_line_not_black_samples(tmp_path):
 def test_a_reader_restores_the_old_directory_a_killed_fallback_swap_left_aside(tmp_path):
     write_model(tmp_path / "m", config([]), tiny(0).state_dict(), {})
     (tmp_path / "m").rename(tmp_path / ".m.old")  # killed between the fallback's two renames
-    assert read_config(tmp_path / "m") == config([])
+    assert read_config(tmp_path / "m") == {**config([]), "checksums": "SHA256SUMS"}

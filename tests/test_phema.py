@@ -501,8 +501,9 @@ def test_a_flipped_bit_in_a_snapshot_is_refused_before_sampling(tmp_path, monkey
     assert out.exit_code != 0 and not (tmp_path / "samples").exists()
     assert out.output.strip().splitlines() == [
         f"Error: {damaged.relative_to(tmp_path)}: sha256 differs from {model.relative_to(tmp_path)}/phema/SHA256SUMS "
-        "(damaged or modified since it was written); restore the model directory (`dvc checkout models/ddpm`) or "
-        "retrain"]
+        "(damaged or modified since it was written); its bytes are shared by 2 hard links (DVC's cache, the run's "
+        "checkpoint directory), so `dvc checkout` cannot restore them: `dvc pull --force models/ddpm` from a remote, "
+        "or retrain with `ddpmrepro train --restart` (a `dvc repro` would find the damaged run finished)"]
 
 
 def test_a_flipped_bit_in_the_ema_weights_is_refused_before_sampling(tmp_path, monkeypatch):

@@ -11,9 +11,10 @@
                                `sha256sum`'s format; every reconstruction checks the files against it
     loss_weight.safetensors    the learned loss weighting u(t) (`diffusion.loss_weighting: learned`): its
                                state and the curve `u` over t; read by the report, never by sampling
-    SHA256SUMS                 the sha256 of each weights file above, taken as it was written; a reader
-                               checks the file it loads against it (a directory written before the sums
-                               were kept has none, and is read unchecked)
+    SHA256SUMS                 the sha256 of each weights file above and of config.json, taken as they
+                               were written; a reader checks the file it loads against it (a directory
+                               written before the sums were kept has none, and is read unchecked; one
+                               whose config.json says `"checksums": "SHA256SUMS"` must have them)
     config.json                `params` (resolved), `data` (`DATA_KEYS` of the manifest it was made
                                for), `ema_rates`, `torch`, and what made it: train adds the data's
                                sha256, the code version, the run hash and the last logged values;
@@ -104,6 +105,9 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
             digests = verify_snapshots(tmp / PHEMA_DIR, sums_from=snapshots, fix="retrain (`ddpmrepro train "
                                        "--restart`)")
             add_to_manifest(tmp / PHEMA_DIR, digests)
+        # Says that the directory was written with its sums: without it, a SHA256SUMS emptied or
+        # deleted read as a directory from before the sums were kept, and nothing was checked.
+        config = {**config, "checksums": MANIFEST_FILE}
         files.atomic_write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2))
         # config.json says what network and diffusion the weights are: an edit there (T=1000 for a
         # model trained with T=50) would load and sample without an error, so it is summed as well.
@@ -116,6 +120,21 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
 RESTORE = "restore the model directory (`dvc checkout models/ddpm`) or retrain"
 
 
+def damaged_fix(path: Path, fix: str = RESTORE) -> str:
+    """What to do about a file whose sum differs. Outputs are hard links to DVC's cache
+    (.dvc/config), and the snapshots to the run's checkpoint directory too: bytes damaged through
+    one name are damaged in every one, and `dvc checkout` would put back the same bytes."""
+    try:
+        links = os.stat(path).st_nlink
+    except OSError:
+        links = 1
+    if links < 2 or fix != RESTORE:
+        return fix
+    return (f"its bytes are shared by {links} hard links (DVC's cache, the run's checkpoint directory), so "
+            "`dvc checkout` cannot restore them: `dvc pull --force models/ddpm` from a remote, or retrain with "
+            "`ddpmrepro train --restart` (a `dvc repro` would find the damaged run finished)")
+
+
 def read_config(model_dir: Path) -> dict:
     """config.json of a model directory, checked against SHA256SUMS where they list it (directories
     written before they did are not) and in its shape; CheckpointError (one line) where there is
@@ -125,12 +144,16 @@ def read_config(model_dir: Path) -> dict:
     path = model_dir / CONFIG_FILE
     if not path.exists():
         raise files.CheckpointError(f"{path}: not found; train first (`dvc repro train`)")
-    if CONFIG_FILE in read_manifest(model_dir):
+    listed = CONFIG_FILE in read_manifest(model_dir)
+    if listed:
         check_weights_file(model_dir, CONFIG_FILE)
     try:
         config = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise files.CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {RESTORE}") from None
+    if not listed and isinstance(config, dict) and config.get("checksums") == MANIFEST_FILE:
+        raise files.CheckpointError(f"{model_dir / MANIFEST_FILE}: missing, or it does not list {CONFIG_FILE}, in a "
+                                    "directory written with its sums: nothing in it can be checked; " + RESTORE)
     problem = config_problem(config)
     if problem:
         raise files.CheckpointError(f"{path}: {problem}; {RESTORE}")
@@ -292,13 +315,13 @@ def check_weights_file(model_dir: Path, name: str) -> None:
     sums = read_manifest(model_dir)
     if not sums:
         return
-    path, fix = Path(model_dir) / name, "restore the model directory (`dvc checkout models/ddpm`) or retrain"
+    path, fix = Path(model_dir) / name, RESTORE
     if name not in sums:
         raise files.CheckpointError(f"{path}: not listed in {Path(model_dir) / MANIFEST_FILE}, so it cannot be "
                                     f"checked; {fix}")
     if path.exists() and files.sha256(path) != sums[name]:
         raise files.CheckpointError(f"{path}: sha256 differs from {Path(model_dir) / MANIFEST_FILE} (damaged or "
-                                    f"modified since it was written); {fix}")
+                                    f"modified since it was written); {damaged_fix(path, fix)}")
 
 
 def add_to_manifest(directory: Path, digests: dict[str, str]) -> None:
@@ -308,7 +331,7 @@ def add_to_manifest(directory: Path, digests: dict[str, str]) -> None:
 
 
 def verify_snapshots(directory: Path, *, sums_from: Path | None = None, shown: Path | None = None,
-                     fix: str = "restore the model directory (`dvc checkout models/ddpm`) or retrain") -> dict[str, str]:
+                     fix: str = RESTORE) -> dict[str, str]:
     """Hashes every snapshot file of `directory` once and checks it against the SHA256SUMS of
     `sums_from` (default: `directory`); returns name -> sha256. A file that differs or is not
     listed, or no SHA256SUMS, is one CheckpointError line naming the file (in `shown`, default
@@ -332,7 +355,7 @@ def verify_snapshots(directory: Path, *, sums_from: Path | None = None, shown: P
     for name in names:
         if digests[name] != want[name]:
             raise files.CheckpointError(f"{shown / name}: sha256 differs from {manifest} (damaged or modified "
-                                        f"since it was written); {fix}")
+                                        f"since it was written); {damaged_fix(directory / name, fix)}")
     return digests
 
 

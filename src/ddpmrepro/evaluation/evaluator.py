@@ -296,8 +296,10 @@ def load_evaluator(directory: str | Path, device: str | torch.device = "cpu") ->
         raise EvaluatorError(f"{cfg_path}: unreadable evaluator config ({type(e).__name__}: {e}); {fix}") from None
     if config.get("format_version") != FORMAT_VERSION:
         raise EvaluatorError(f"{cfg_path}: format_version {config.get('format_version')!r} != {FORMAT_VERSION}; {fix}")
-    expected_sha = config.get("model_sha256")
-    if expected_sha and files.sha256(model_path) != expected_sha:
+    expected_sha = config.get("model_sha256")  # written with every evaluator of this format_version
+    if not isinstance(expected_sha, str):
+        raise EvaluatorError(f"{cfg_path}: no model_sha256, so the weights cannot be checked; {fix}")
+    if files.sha256(model_path) != expected_sha:
         raise EvaluatorError(f"{model_path}: sha256 does not match config.json (corrupt or replaced file); {fix}")
     try:
         state = load_file(model_path)
