@@ -175,6 +175,7 @@ def _base(tmp_path, name, **arrays):
     ({"images": np.zeros((0, 1, 4, 4), np.uint8), "labels": np.zeros(0, np.int64)}, "with N >= 1"),
     ({"labels": None}, "no labels array (images only)"),
     ("truncated", "unreadable (BadZipFile"),
+    ("text", "not an .npz archive (a zip of .npy arrays"),  # was numpy's advice to load pickles
 ])
 def test_a_bad_base_samples_file_is_one_line_exit_2_before_any_work(trained, tmp_path, arrays, words):
     """sample-superres --low-res-from a damaged or foreign samples.npz: IndexError and BadZipFile
@@ -182,6 +183,9 @@ def test_a_bad_base_samples_file_is_one_line_exit_2_before_any_work(trained, tmp
     if arrays == "truncated":
         path = _base(tmp_path, "base.npz")
         path.write_bytes(path.read_bytes()[:100])
+    elif arrays == "text":
+        path = tmp_path / "base.npz"
+        path.write_text("not a zip\n")
     else:
         path = _base(tmp_path, "base.npz", **arrays)
     params = write_params(tmp_path / "p.yaml", low_res_from=str(path))
@@ -190,6 +194,7 @@ def test_a_bad_base_samples_file_is_one_line_exit_2_before_any_work(trained, tmp
     assert result.exit_code == 2, (result.output, result.exception)
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("Error: ") and str(path) in line and words in line, line
+    assert line.count(str(path)) == 1, line  # said once: "no labels array" was wrapped in "unreadable (...)"
     assert not (tmp_path / "out").exists()
 
 

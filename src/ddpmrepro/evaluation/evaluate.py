@@ -47,12 +47,18 @@ def read_samples(path: Path, *, num_classes: int, keys=("images", "labels", "see
     path = Path(path)
     if not path.is_file():
         raise error(f"{path}: not found; {fix}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":  # np.load would read it as a pickle, and suggest allow_pickle=True
+        raise error(f"{path}: not an .npz archive (a zip of .npy arrays, as `ddpmrepro sample` writes); {fix}")
     try:
         with np.load(path, allow_pickle=False) as z:
             missing = [k for k in keys if k not in z.files]
             if missing:
                 raise error(f"{path}: no {', '.join(missing)} array ({', '.join(z.files) or 'none'} only); {fix}")
             arrays = {k: z[k] for k in keys}
+    except error:  # ours, above (a ParamsError is a ValueError too: not to be wrapped again)
+        raise
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
         raise error(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {fix}") from None
     images, labels = arrays["images"], arrays["labels"]
