@@ -198,6 +198,24 @@ def test_a_bad_base_samples_file_is_one_line_exit_2_before_any_work(trained, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_more_per_class_than_the_test_split_has_is_one_line_not_fewer_images(trained, tmp_path):
+    """sample.per_class 150 of a test split with 100 of a class gave 100 per class, exit 0, and wrote
+    params.yaml saying 150 (found from outside)."""
+    labels = np.asarray(load_prepared(trained / "data").test_labels)
+    fewest = int(np.bincount(labels).min())
+    raw = {k: dict(v) for k, v in RAW.items()}
+    raw["sample"]["per_class"] = fewest + 1
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(main, ["sample-superres", "--params", str(tmp_path / "p.yaml"), "--model",
+                                       str(trained / "model"), "--data", str(trained / "data"), "--out", str(tmp_path / "s")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    (line,) = result.stderr.strip().splitlines()
+    c = int(np.bincount(labels).argmin())
+    assert line == (f"Error: sample.per_class: {fewest + 1}, but class {c} has {fewest} test "
+                    f"images in {trained / 'data'} (superres.low_res_from: test); lower it to {fewest} or less"), line
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_damaged_superres_samples_file_is_one_line_for_evaluate_superres(trained, tmp_path):
     params = write_params(tmp_path / "p.yaml", low_res_from=str(_base(tmp_path, "base.npz")))
     cli("sample-superres", "--params", str(params), "--model", str(trained / "model"), "--out", str(tmp_path / "s"))

@@ -58,6 +58,11 @@ def low_res_inputs(params: Params, side: int, data: dict, data_dir: Path | None,
                               f"upsampler makes {image_size}x{image_size}; prepare the data at data.image_size: "
                               f"{image_size}")
         labels = np.asarray(test.test_labels)
+        counts = np.bincount(labels, minlength=test.num_classes)
+        if counts.min() < per_class:  # fewer images than asked for, and the written params saying otherwise
+            c = int(counts.argmin())
+            raise ParamsError(f"sample.per_class: {per_class}, but class {c} has {int(counts[c])} test images in "
+                              f"{data_dir} (superres.low_res_from: test); lower it to {int(counts.min())} or less")
         index = np.concatenate([np.flatnonzero(labels == c)[:per_class] for c in range(test.num_classes)])
         truth = np.stack([np.asarray(test.test_images[i]) for i in index])
         low = to_uint8(downsample(to_model_range(truth), side)).numpy()
