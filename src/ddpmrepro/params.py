@@ -333,9 +333,12 @@ class SampleParams:
     spacing: str = _f("logsnr", choices=("logsnr", "time_uniform", "karras", "respacing"),
                       doc="Fast solvers' evaluation points: uniform in log-SNR (DPM-Solver's), in the index, "
                           "EDM's rho=7 steps, or the integer steps of `respacing` (nfe unused).")
-    lambda_min: float = _f(-5.1, doc="Fast solvers start where the half log-SNR lambda of the table reaches "
-                                     "this (cosine tails fall to -9.9 at T=1000, pure noise); -5.1 as "
-                                     "dpm-solver and diffusers. Not used with `spacing: respacing`.")
+    lambda_min: float = _f(-5.1, max=-2.3, doc="Fast solvers start where the half log-SNR lambda of the table "
+                                               "reaches this (cosine tails fall to -9.9 at T=1000, pure noise); -5.1 "
+                                               "as dpm-solver and diffusers. At most -2.3: sampling starts from pure "
+                                               "noise N(0, I), right only where the signal's scale alpha is near 0 "
+                                               "(0.1 at -2.3; 0.71 at 0, where the images come out wrong). Not used "
+                                               "with `spacing: respacing`.")
     eta: float = _f(0.0, min=0.0, max=1.0, doc="DDIM's eta: 0 deterministic, 1 DDPM-like noise.")
     thresholding: str = _f("static", choices=("static", "dynamic", "none"),
                            doc="The x0 estimate at every step: clamped to [-1, 1] (ddpm/ddim's clip_denoised), "

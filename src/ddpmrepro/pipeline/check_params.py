@@ -23,7 +23,6 @@ every stage-time refusal that depends on the params alone to a case this check r
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -158,14 +157,6 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
     if s.guidance and t.label_dropout == 0 and params.model.class_cond and not t.import_from:
         raise ParamsError(f"sample.guidance: {s.guidance:g} needs the null label, which train.label_dropout: 0 never "
                           "trains; set sample.guidance: 0, or train.label_dropout > 0 (0.1 is usual)")
-    if s.sampler not in ("ddpm", "ddim") and s.spacing != "respacing":
-        # The fast solvers' start (samplers.sample_times refuses it too, in the sample stage).
-        ac = schedules.alphas_cumprod(params.diffusion.schedule, params.diffusion.timesteps)
-        top = 0.5 * math.log(ac[0] / (1 - ac[0]))
-        if s.lambda_min >= top:
-            raise ParamsError(f"sample.lambda_min: {s.lambda_min:g} is not below the schedule's largest half log-SNR "
-                              f"({top:.3g}, the least noisy step), so {s.sampler} would start at the clean end and "
-                              "sample nothing; lower it (-5.1, the default, is dpm-solver's)")
     sr = params.superres
     if sr.low_res and sr.project and params.data.image_size % sr.low_res:
         raise ParamsError(f"superres.project: data.image_size {params.data.image_size} is not a whole multiple of "
