@@ -1,6 +1,7 @@
 """Checkpoints are atomic, verified before loading, and never execute pickled code."""
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,3 +153,20 @@ def test_stale_temp_files_of_dead_writers_are_removed_and_a_live_writers_kept(tm
     finally:
         writer.kill(), bystander.kill()
         writer.wait(), bystander.wait()
+
+
+def test_a_relative_root_in_a_dvc_experiments_temporary_clone_is_the_projects(tmp_path):
+    """DVC runs queued experiments in <project>/.dvc/tmp/exps/<tmpdir>/ and --temp ones in
+    .../exps/standalone/<tmpdir>/, and deletes the clone when they end: the checkpoints a rerun would
+    resume from went with it."""
+    proj = tmp_path / "proj"
+    queued, standalone = proj / ".dvc/tmp/exps/tmpab12cd", proj / ".dvc/tmp/exps/standalone/tmpef34"
+    for clone in (queued, standalone):
+        (clone / ".dvc").mkdir(parents=True)
+        (clone / "cascade").mkdir()
+        assert C.project_root_for(Path("checkpoints"), cwd=clone) == proj / "checkpoints"
+        # a stage with a wdir (cascade/): the same subfolder of the project
+        assert C.project_root_for(Path("checkpoints"), cwd=clone / "cascade") == proj / "cascade/checkpoints"
+        assert C.project_root_for(Path("/scratch/ckpt"), cwd=clone) == Path("/scratch/ckpt")  # absolute: as given
+    assert C.project_root_for(Path("ckpt/x"), cwd=proj) == Path("ckpt/x")  # the workspace: as given
+    assert C.project_root_for(Path("c"), cwd=proj / ".dvc/tmp/exps") == Path("c")  # not inside a clone

@@ -1,10 +1,13 @@
 """A sweep through DVC's queue: `dvc queue start -j 2` runs two experiments at once, each in its own
-temporary clone (its own checkpoints), on disjoint cores (cpu_slots), and each gives exactly what
-the same experiment gives when run alone. Real git, DVC, celery queue workers and training."""
+temporary clone (checkpointing into the project's checkpoints/, which outlive the clone), on
+disjoint cores (cpu_slots), and each gives exactly what the same experiment gives when run alone;
+a killed experiment in a temporary clone resumes. Real git, DVC, celery queue workers and training."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -109,7 +112,10 @@ def test_queued_experiments_run_side_by_side_on_disjoint_cores_and_equal_solo_ru
         assert len(claimed) == len(set(claimed)), (snap, timeline)
     pinned = {(exp, stage) for snap in torch_jobs for exp, stage, cores in snap if len(cores) == 1}
     assert {(exp, "train") for exp in trains} <= pinned, timeline  # each training ran on the one core it claimed
-    assert checkpoint_dirs() == baseline_checkpoints, checkpoint_dirs()  # the queue never trained in the workspace
+    # Each clone trained into the project's checkpoints/ (a clone's own are deleted with it), one run
+    # directory per experiment, each to its last step.
+    queued = checkpoint_dirs() - baseline_checkpoints
+    assert len(queued) == 2 and all((d / "step_000000012.pt").exists() for d in queued), checkpoint_dirs()
 
     # Queued experiments add State and Executor columns; the comparison still fits 160 columns.
     wanted, lines = only_changed_table(repo, 160)
@@ -118,7 +124,9 @@ def test_queued_experiments_run_side_by_side_on_disjoint_cores_and_equal_solo_ru
     assert "State" in header and [c for c in wanted if c not in header] == [], "\n".join(lines)
 
     # The same experiments alone, one after the other, in the workspace (-f: computed, not restored
-    # from the run-cache the queue filled).
+    # from the run-cache the queue filled; without the queue's run directories, trained again).
+    for d in queued:
+        shutil.rmtree(d)
     solo = {name.replace("q", "s"): lr for name, lr in lrs.items()}
     for name, lr in solo.items():
         run(repo, env, "dvc", "exp", "run", "-f", "-S", f"train.lr={lr}", "-n", name)
@@ -145,3 +153,39 @@ def _experiments(repo: Path, env: dict) -> list[dict]:
 
 def _read(repo: Path, path: str, rev: str) -> bytes:
     return dvc.api.read(path, repo=str(repo), rev=rev, mode="rb")
+
+
+def test_a_killed_experiment_in_a_temporary_clone_resumes_from_its_checkpoints(tmp_path):
+    """`dvc exp run --temp` (and the queue) trains in a clone DVC deletes: a killed experiment started
+    again from step 0 (found from outside). Its checkpoints are the project's now: it resumes."""
+    import psutil
+
+    from project_copy import tiny_project
+
+    repo = tiny_project(tmp_path / "proj")
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "PYTHONPATH": str(repo / "src"),
+           "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "1"}
+    exp = ["dvc", "exp", "run", "--temp", "-S", "train.steps=400", "-S", "train.checkpoint_every=5"]
+    proc = subprocess.Popen(exp, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and proc.poll() is None:
+        if list((repo / "checkpoints").glob("*/*/step_*.sha256")):
+            break
+        time.sleep(0.2)
+    if proc.poll() is not None:
+        out = proc.stdout.read()
+        said = [line for line in out.splitlines() if "checkpoints go to" in line or "Running stage" in line]
+        raise AssertionError(f"the experiment ended before it could be killed: {said}\n{out[-1500:]}")
+    family = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)  # DVC, its stage's shell and the training at once
+    proc.wait()
+    psutil.wait_procs(family, timeout=60)
+    (run_dir,) = (repo / "checkpoints").glob("*/*")
+    assert list(run_dir.glob("step_*.pt")), sorted(p.name for p in run_dir.iterdir())
+    again = subprocess.run(exp, cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert f"checkpoints go to {repo.resolve() / 'checkpoints'}: the project's" in out, out[-3000:]
+    assert "resuming from" in out and f"{run_dir.name}" in out, out[-3000:]
+    assert (run_dir / "step_000000400.pt").exists()

@@ -275,8 +275,15 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
     """
     from .runtime import distributed as D
     from .runtime import launch
+    from .training.checkpoint import project_root_for
 
     params = _load_params(params_path)
+    shared = project_root_for(checkpoint_root)
+    if shared != checkpoint_root:
+        checkpoint_root = shared
+        if not D.in_launch():
+            click.echo(f"checkpoints go to {checkpoint_root}: the project's, as this is a DVC experiment's "
+                       "temporary copy, which DVC deletes when the experiment ends", err=True)
     if params.train.import_from:  # a published model: imported, not trained (docs/MODELS.md)
         from .interop.convert import use_published
 
