@@ -384,6 +384,19 @@ def test_only_changed_fits_with_the_param_and_every_changed_metric(repo, columns
     assert [c for c in wanted if c not in header] == [], "\n".join(lines)  # none folded into "…"
 
 
+def test_the_documented_drop_of_the_dependency_columns_drops_them_and_keeps_the_rest(repo):
+    """docs/EXPERIMENTS.md said `--drop '/'`, which DVC matches at the start of a name: nothing dropped
+    (found from outside)."""
+    (line,) = [ln for ln in (ROOT / "docs" / "EXPERIMENTS.md").read_text().splitlines()
+               if ln.startswith("dvc exp show --only-changed --drop ")]
+    pattern = line.split()[5].strip("'")
+    header = lambda *extra: next(csv.reader(io.StringIO(  # noqa: E731
+        run(repo, "dvc", "exp", "show", "--only-changed", "--csv", *extra).stdout)))
+    full, dropped = header(), header("--drop", pattern)
+    assert any("/" in c for c in full) and not any("/" in c for c in dropped), (full, dropped)
+    assert dropped == [c for c in full if "/" not in c]
+
+
 def test_dvc_plots_diff_draws_every_plot_for_both_experiments(repo):
     out = json.loads(run(repo, "dvc", "plots", "diff", "lr4e-3", "lr2e-3", "--json").stdout)["data"]
     dvc_yaml = yaml.safe_load((repo / "dvc.yaml").read_text())
