@@ -248,7 +248,8 @@ def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
 @click.option("--introspect", "introspect_dir", default="reports/introspect", show_default=True,
               type=click.Path(path_type=Path))
 @click.option("--checkpoints", "checkpoint_root", default="checkpoints", show_default=True,
-              type=click.Path(path_type=Path), help="Resumable state (not a DVC output).")
+              type=click.Path(path_type=Path), callback=lambda ctx, param, value: _checkpoint_root(value),
+              help="Resumable state (not a DVC output).")
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Processes (GPUs) per node; overrides train.nproc.")
 @click.option("--restart", is_flag=True, help="Ignore existing checkpoints of this run and start from step 0.")
@@ -275,15 +276,8 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
     """
     from .runtime import distributed as D
     from .runtime import launch
-    from .training.checkpoint import project_root_for
 
     params = _load_params(params_path)
-    shared = project_root_for(checkpoint_root)
-    if shared != checkpoint_root:
-        checkpoint_root = shared
-        if not D.in_launch():
-            click.echo(f"checkpoints go to {checkpoint_root}: the project's, as this is a DVC experiment's "
-                       "temporary copy, which DVC deletes when the experiment ends", err=True)
     if params.train.import_from:  # a published model: imported, not trained (docs/MODELS.md)
         from .interop.convert import use_published
 
@@ -306,6 +300,19 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
     # RANK, not D.is_main(): the process group is gone by now, and every rank would say it is rank 0.
     if summary and os.environ.get("RANK", "0") == "0":
         click.echo(f"trained {summary['step']} steps, final loss {summary['loss']:.4f} -> {out}")
+
+
+def _checkpoint_root(root: Path) -> Path:
+    """--checkpoints as train uses it (before `writes` checks it): inside a DVC experiment's temporary
+    clone, a relative root is the project's (training/checkpoint.project_root_for)."""
+    from .runtime import distributed as D
+    from .training.checkpoint import project_root_for
+
+    shared = project_root_for(root)
+    if shared != root and not D.in_launch():  # said once, by the launcher
+        click.echo(f"checkpoints go to {shared}: the project's, as this is a DVC experiment's temporary copy, "
+                   "which DVC deletes when the experiment ends", err=True)
+    return shared
 
 
 def _claim_cpus(nproc: int = 1) -> None:

@@ -227,8 +227,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             # No RNG state to restore: every draw of step s comes from seeds of (seed, s, rank).
             start_step = checkpoint.load(latest, run_hash=run_id, code_version=version)
             if main:
-                log.info("resuming from %s (step %d)", latest, start_step)
-                _note_finished_log_cadence(checkpoint.saved_params, p, start_step, ckpt_dir)
+                _report_resume(latest, start_step, checkpoint.saved_params, p, ckpt_dir)
         introspection.open_tables(ckpt_dir / "introspect", start_step)
         compiler(raw_model, eager_inside=introspection.hooked_modules)  # after the EMA copies; hooked blocks stay eager
         # Under train.cuda_graphs the gradients are all-reduced after the backward, not by DDP's hooks inside it.
@@ -393,10 +392,12 @@ def _refuse_interrupted_run_of_other_code(ckpt_dir: Path, steps: int) -> None:
                 "(that checkpoint is kept), or restore that code to resume it")
 
 
-def _note_finished_log_cadence(saved: dict, p, step: int, ckpt_dir: Path) -> None:
-    """train.log_every is operational (a resumed run may log at another cadence from then on), so a
-    run found finished hands back the curves it logged, and metrics.json's final loss is the mean of
-    that cadence's last window: say so when the params ask for another."""
+def _report_resume(latest: Path, step: int, saved: dict, p, ckpt_dir: Path) -> None:
+    """Says where the run resumes. train.log_every is operational (a resumed run may log at another
+    cadence from then on), so a run found finished hands back the curves it logged, and
+    metrics.json's final loss is the mean of that cadence's last window: say so when the params
+    (`p`, TrainParams) ask for another than the checkpoint's (`saved`, its params)."""
+    log.info("resuming from %s (step %d)", latest, step)
     logged = (saved.get("train") or {}).get("log_every")
     if step >= p.steps and isinstance(logged, int) and logged != p.log_every:
         print(f"note: train.log_every is {p.log_every}, but this run was found finished at step {step} with its "
