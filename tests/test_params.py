@@ -48,12 +48,44 @@ def test_every_section_matches_the_dataclass_defaults_keys():
     # both accepted, the second ignored without a word (found from outside)
     ({"introspect": {"noise_buckets": 4, "noise_bucket_edges": [500]}}, "introspect.noise_buckets: 4 with"),
     ({"sample": {"eta": 0.5, "sampler": "dpmpp_2m"}}, "sample.eta: 0.5 is DDIM's noise, not used by dpmpp_2m"),
+    # grad-norm steers by the buckets: off, or measured only where they cannot steer (found from outside)
+    ({"train": {"timestep_sampler": "grad-norm"}, "introspect": {"noise_buckets": 0}},
+     "train.timestep_sampler: 'grad-norm' learns from the noise-level buckets, which are off"),
+    ({"train": {"timestep_sampler": "grad-norm"}, "introspect": {"every": 0, "steps": [1]}},
+     "train.timestep_sampler: 'grad-norm' would draw uniformly all run: its loss history fills at step 79"),
+    ({"train": {"timestep_sampler": "grad-norm"}, "introspect": {"noise_levels_every": 1500}},
+     "no noise-level buckets are measured from then until before the last step 1500"),
 ])
 def test_bad_values_name_the_key_path(raw, message):
     with pytest.raises(P.ParamsError) as e:
         P.from_dict(raw)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_grad_norm_needs_a_bucket_step_after_its_loss_history_can_fill():
+    """10 losses for each of T = 1000 timesteps at 128 images a step: not before step 79 (the
+    first step whose examples could fill it); a measured step from then on, before the last, steers."""
+    def run(**over):
+        return P.from_dict({"train": {"timestep_sampler": "grad-norm", **over.pop("train", {})},
+                            "introspect": {"every": 0, **over}})
+    run(steps=[79])
+    with pytest.raises(P.ParamsError, match="fills at step 79 at the earliest"):
+        run(steps=[1, 78])
+    with pytest.raises(P.ParamsError, match="fills at step 40 at the earliest .* at 256 images a step"):
+        run(steps=[39], train={"grad_accum": 2})
+    run(steps=[40], train={"grad_accum": 2})
+    with pytest.raises(P.ParamsError, match="before the last step 100"):  # nothing left to steer
+        run(steps=[100], train={"steps": 100})
+
+
+def test_the_buckets_steps_are_the_recorded_ones_on_their_own_cadence():
+    """params.levels_measured_at, which training/recording.py asks, against the rule written out:
+    recorded (every k-th, the last, steps, dump_steps), and then every noise_levels_every-th, the
+    last, or in steps."""
+    ip = P.IntrospectParams(every=2, steps=[5], dump_steps=[9, 10], dump_modules=["out"], noise_levels_every=3)
+    got = [s for s in range(1, 14) if P.levels_measured_at(s, ip, last=13)]
+    assert got == [5, 6, 9, 12, 13]
 
 
 def test_scientific_notation_without_dot_is_a_number():

@@ -203,6 +203,25 @@ def test_grad_norm_sampler_state_round_trips_and_needs_its_buckets():
     assert math.isnan(GradNormSampler(np.arange(2)).second_moments()[0])
 
 
+def test_a_grad_norm_run_that_never_left_uniform_says_so_and_why(capsys):
+    from types import SimpleNamespace
+    from ddpmrepro.training.loop import _note_if_never_steered
+
+    p = SimpleNamespace(timestep_sampler="grad-norm", steps=40)
+    s = GradNormSampler(np.repeat(np.arange(2), 3))
+    _note_if_never_steered(s, p)
+    assert "drew uniformly all 40 steps: its loss history never filled" in capsys.readouterr().err
+    warm(s, np.arange(1.0, 7.0))
+    s.update_levels(level_rows(np.arange(1.0, 7.0), s)[:1])  # the second bucket never measured
+    _note_if_never_steered(s, p)
+    assert "a noise-level bucket never had a positive measurement" in capsys.readouterr().err
+    s.update_levels(level_rows(np.arange(1.0, 7.0), s))
+    _note_if_never_steered(s, p)
+    _note_if_never_steered(LossSecondMomentSampler(6), SimpleNamespace(timestep_sampler="loss-second-moment",
+                                                                       steps=40))
+    assert capsys.readouterr().err == ""  # steered; IDDPM's sampler says nothing (a short run is uniform by design)
+
+
 @pytest.mark.slow
 def test_grad_norm_sampler_learns_from_the_buckets_in_training_and_resumes_bitwise_with_two_processes(tmp_path):
     """train.timestep_sampler: grad-norm through the CLI: it leaves its uniform phase after the first

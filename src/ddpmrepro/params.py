@@ -588,6 +588,8 @@ def _check_cross_field(obj, path: str) -> None:
                 if st > obj.train.steps:
                     raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
                                       f"{obj.train.steps}); steps count completed updates, 1..train.steps")
+        if obj.train.timestep_sampler == "grad-norm":
+            check_grad_norm_steers(obj)
         if obj.sample.ema_step:
             check_ema_step(obj.sample.ema_step, obj.train)
         if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
@@ -610,6 +612,38 @@ def snapshot_steps(steps: int, count: int) -> list[int]:
     """The steps after which a run of `steps` steps writes its `count` post-hoc EMA snapshots: evenly
     spaced, the last at the last step (every step where count >= steps)."""
     return sorted({-(-k * steps // count) for k in range(1, count + 1)})
+
+
+# The losses per t that IDDPM's sampler (and grad-norm's shape within a bucket) keeps before it
+# leaves uniform: training/timestep_sampler.py's `history`.
+SAMPLER_HISTORY = 10
+
+
+def check_grad_norm_steers(params: "Params") -> None:
+    """`grad-norm` draws uniformly until the loss history is full (SAMPLER_HISTORY losses for every t,
+    so not before step ceil(SAMPLER_HISTORY x T / global batch)) and every bucket has been measured
+    after that. A run whose buckets are measured only before that step, or only on its last step,
+    would draw uniformly all run under grad-norm's name: refused. (The global batch counts
+    train.nproc processes, one node's; more nodes fill the history sooner.)"""
+    t, ip = params.train, params.introspect
+    fill = -(-SAMPLER_HISTORY * params.diffusion.timesteps // (t.batch_per_proc * t.nproc * t.grad_accum))
+    measured = [s for s in range(max(fill, 1), t.steps) if levels_measured_at(s, ip, last=t.steps)]
+    if not measured:
+        raise ParamsError(
+            f"train.timestep_sampler: 'grad-norm' would draw uniformly all run: its loss history fills at step "
+            f"{fill} at the earliest ({SAMPLER_HISTORY} losses for each of {params.diffusion.timesteps} t at "
+            f"{t.batch_per_proc * t.nproc * t.grad_accum} images a step), and no noise-level buckets are measured "
+            f"from then until before the last step {t.steps}; add such steps to introspect.steps, or set "
+            "introspect.every and noise_levels_every to divide them, or pick another sampler")
+
+
+def levels_measured_at(step: int, ip: "IntrospectParams", *, last: int) -> bool:
+    """Whether the noise-level buckets are measured at update `step` (training/recording.py asks
+    this): a recorded step (a multiple of `every` if > 0 and the `last`, or in `steps` or
+    `dump_steps`) that is also a multiple of `noise_levels_every`, in `steps`, or the last."""
+    def on(every, listed):
+        return (every > 0 and (step % every == 0 or step == last)) or step in listed
+    return on(ip.every, [*ip.steps, *ip.dump_steps]) and on(ip.noise_levels_every, ip.steps)
 
 
 def check_ema_step(step: int, train: "TrainParams") -> None:

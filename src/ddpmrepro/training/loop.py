@@ -347,6 +347,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         if main:
             introspection.close()
             train_log.end()
+            _note_if_never_steered(sampler, p)
             _export(paths.model_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary,
                     snapshots=ckpt_dir / "phema", loss_weight=weighting.export())
             files.copy_dir(ckpt_dir / "live", paths.live_dir, outputs.TRAIN_LOG)
@@ -390,6 +391,18 @@ def _refuse_interrupted_run_of_other_code(ckpt_dir: Path, steps: int) -> None:
                 f"{latest}: an interrupted run of these params under code version {other.name} (this code is "
                 f"{ckpt_dir.name}); rerun with `ddpmrepro train --restart` to start over with this code "
                 "(that checkpoint is kept), or restore that code to resume it")
+
+
+def _note_if_never_steered(sampler, p) -> None:
+    """grad-norm draws uniformly until its loss history is full and every noise-level bucket has a
+    measured ratio. params.check_grad_norm_steers refuses a schedule that can never get there; a
+    bucket can still have no ratio at the end (its few examples gave no positive estimate): say so."""
+    if p.timestep_sampler == "grad-norm" and not sampler.warmed_up():
+        why = ("its loss history never filled" if (sampler.loss_counts < sampler.history).any()
+               else "a noise-level bucket never had a positive measurement after the loss history filled")
+        print(f"note: train.timestep_sampler 'grad-norm' drew uniformly all {p.steps} steps: {why}; measure the "
+              "buckets on more steps (introspect.steps, noise_levels_every) or with more examples each (fewer "
+              "introspect.noise_buckets)", file=sys.stderr)
 
 
 def _report_resume(latest: Path, step: int, saved: dict, p, ckpt_dir: Path) -> None:

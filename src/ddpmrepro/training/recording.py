@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..params import IntrospectParams, ParamsError
+from ..params import IntrospectParams, ParamsError, levels_measured_at
 from ..runtime import distributed as D
 from . import introspect
 from .noise_levels import NoiseLevelGradients, bucket_layout
@@ -59,7 +59,7 @@ class Introspection:
                  batch_per_step: int, noise_scale: NoiseScale, stats, device: torch.device):
         self.every, self.steps, self.last_step = ip.every, [*ip.steps, *ip.dump_steps], last_step
         # The buckets' extra backward passes on a sparser cadence of their own (docs/INTROSPECTION.md, Cost).
-        self.levels_every, self.levels_steps = ip.noise_levels_every, list(ip.steps)
+        self.ip = ip
         self.noise_scale, self.stats = noise_scale, stats
         on = bucket_layout(alphas_cumprod, ip, batch_per_step) is not None
         self.levels = NoiseLevelGradients(raw_model, alphas_cumprod, ip, batch_per_step=batch_per_step,
@@ -92,8 +92,7 @@ class Introspection:
         the activation gradients they catch are divided by the loss scale)."""
         self.recording = introspect.is_record_step(done, self.every, self.steps, last=self.last_step)
         # The noise-level buckets: on the recorded steps of their own cadence, `steps` and the last.
-        self.measuring_levels = self.recording and self.levels is not None and \
-            introspect.is_record_step(done, self.levels_every, self.levels_steps, last=self.last_step)
+        self.measuring_levels = self.levels is not None and levels_measured_at(done, self.ip, last=self.last_step)
         if self.recording:
             self.activations.arm(done, loss_scale=loss_scale)
         return self.recording

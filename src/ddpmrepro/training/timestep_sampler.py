@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..params import SAMPLER_HISTORY
 from .output_grads import OutputGradNorms
 
 
@@ -78,7 +79,7 @@ class UniformSampler:
 class LossSecondMomentSampler(UniformSampler):
     learns_from = "losses"
 
-    def __init__(self, num_timesteps: int, history: int = 10, uniform_prob: float = 0.001):
+    def __init__(self, num_timesteps: int, history: int = SAMPLER_HISTORY, uniform_prob: float = 0.001):
         super().__init__(num_timesteps)
         self.history = history
         self.uniform_prob = uniform_prob
@@ -166,7 +167,7 @@ class GradNormSampler(LossSecondMomentSampler):
     as IDDPM's sampler gathers them, so the ranks stay in step."""
 
     def __init__(self, bucket_of_t: np.ndarray, halflife: float = 10.0, uniform_prob: float = 0.001,
-                 history: int = 10):
+                 history: int = SAMPLER_HISTORY):
         super().__init__(len(bucket_of_t), history=history, uniform_prob=uniform_prob)
         self.bucket_of_t = np.asarray(bucket_of_t, dtype=np.int64)
         self.count = int(self.bucket_of_t.max()) + 1
