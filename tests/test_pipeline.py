@@ -99,6 +99,43 @@ def test_second_repro_is_a_noop(repo):
     assert "Nothing to be done" in run(repo, "snakemake", "-n").stdout
 
 
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: None, None),  # as exported, beside a killed writer's temp file (not a table: not checked)
+    (lambda d: _flip_a_byte(sorted((d / "param_grads").glob("part-*.parquet"))[0]), "sha256 differs from"),
+    (lambda d: (d / "SHA256SUMS").unlink(), "SHA256SUMS: not found, so the tables cannot be checked"),
+    (lambda d: (d / "SHA256SUMS").write_text(""), "not listed in"),  # emptied: no longer turns the check off
+    (lambda d: (d / "steps.tsv").unlink(), "steps.tsv: missing (listed in"),
+    (lambda d: (d / "steps" / "part-000000099-000000099.parquet").write_bytes(b"x"), "not listed in"),
+], ids=["intact", "flipped-byte", "sums-deleted", "sums-emptied", "file-deleted", "file-added"])
+def test_the_report_draws_only_the_tables_train_wrote(repo, tmp_path, damage, words):
+    """train exports the introspection tables with their SHA256SUMS (`sha256sum -c` accepts it); the
+    report checks them first: a damaged, missing, added or unlisted table is one line, no figure.
+    (DVC pulled damaged objects from a remote without a word: found from outside.)"""
+    tables = tmp_path / "introspect"
+    subprocess.run(["cp", "-r", str(repo / "reports/introspect"), str(tables)], check=True)  # copies, not links
+    check = subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=tables, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    listed = {line.split("  ", 1)[1] for line in (tables / "SHA256SUMS").read_text().splitlines()}
+    assert listed == {f.relative_to(tables).as_posix() for f in tables.rglob("*") if f.is_file()} - {"SHA256SUMS"}
+    (tables / ".steps.tsv.tmp.123").write_text("a killed writer's temp file is not a table")  # ignored
+    damage(tables)
+    proc = run(repo, "python", "-m", "ddpmrepro.cli", "report", "--introspect", str(tables), "--live",
+               "reports/train/live", "--out", str(tmp_path / "figures"), check=False)
+    if words is None:
+        assert proc.returncode == 0, proc.stderr
+        return
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"Error: {tables}") and words in proc.stderr, proc.stderr
+    assert "dvc repro --force train" in proc.stderr
+    assert not (tmp_path / "figures").exists()
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
 def evaluate_by_hand(repo: Path, out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     """`ddpmrepro evaluate` on the pipeline's inputs, writing to `out` (a folder outside the repo)."""
     return run(repo, "python", "-m", "ddpmrepro.cli", "evaluate", "--samples", "samples", "--data", "data/prepared",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from ddpmrepro.tables import write_sums
 from ddpmrepro.training.introspect import TableWriter
 from ddpmrepro.params import ReportParams
 from ddpmrepro.evaluation.report import FIGURES, act_rows, group_param_rows, loss_weight_figure, make_report
@@ -34,6 +36,7 @@ def synthetic_run(root, n_blocks=30, steps=range(10, 110, 10), per_rank=False):
                 for r in ((0, 1) if per_rank else (-1,))]
         w.add(s, params=params, summary=summary, activations=acts)
     w.close()
+    write_sums(root)  # as train exports them
     return names
 
 
@@ -77,6 +80,7 @@ def live_metrics(live, rows=True):
 
 def no_rows_run(root):
     TableWriter(root, start_step=0).close()  # what train leaves when it recorded no step
+    write_sums(root)
 
 
 @pytest.mark.parametrize("introspect, live, named, words", [
@@ -167,6 +171,7 @@ def learned_weighting_run(root, steps):
             weight.bias.sub_(0.5)
         w.add(s, loss_weight=weight.rows(s))
     w.close()
+    write_sums(root)
 
 
 @pytest.mark.parametrize("logged, drawn", [(range(10, 130, 10), [10, 30, 40, 60, 70, 90, 100, 120]),
@@ -216,3 +221,28 @@ def test_a_report_into_an_earlier_reports_folder_leaves_only_its_own_figures(tmp
     with pytest.raises(Exception, match="is not a figures directory"):
         make_report(tmp_path / "plain", tmp_path / "live", other, ReportParams())
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def test_a_damaged_table_shared_with_dvcs_cache_says_how_to_mend_the_cache_too(tmp_path):
+    """A table checked out by DVC is a hard link to its cache: damaged through one name, both are, and
+    `dvc repro --force train` leaves the cached copy as it is (DVC 3.67), so the line says to delete it."""
+    from ddpmrepro.files import CheckpointError
+    from ddpmrepro.tables import verify_sums
+
+    synthetic_run(tmp_path / "introspect")
+    live_metrics(tmp_path / "live")
+    part = sorted((tmp_path / "introspect" / "steps").glob("part-*.parquet"))[0]
+    cache = tmp_path / "cache" / "md5" / "ab" / "cdef"
+    cache.parent.mkdir(parents=True)
+    os.link(part, cache)
+    data = bytearray(part.read_bytes())
+    data[-20] ^= 0xFF
+    cache.write_bytes(bytes(data))  # through the cache's name
+    with pytest.raises(CheckpointError) as e:
+        make_report(tmp_path / "introspect", tmp_path / "live", tmp_path / "figs", ReportParams())
+    assert str(e.value).startswith(f"{part}: sha256 differs from {tmp_path / 'introspect' / 'SHA256SUMS'}")
+    assert f"`find .dvc/cache -samefile {part} -delete`" in str(e.value) and "shared by 2 hard links" in str(e.value)
+    assert not (tmp_path / "figs").exists()
+    os.unlink(cache)  # one name left: re-exporting is enough
+    with pytest.raises(CheckpointError, match="; re-export them from the run's checkpoint: `dvc repro --force train`"):
+        verify_sums(tmp_path / "introspect")

@@ -943,3 +943,38 @@ def test_the_gradient_instruments_change_no_bit_of_the_training(tmp_path, prepar
     steps = pd.read_parquet(on / "i" / "steps")
     assert steps["gns_trace"].notna().all()  # every step has microbatches: its own estimate
     assert pd.read_parquet(off / "i" / "steps")["gns_trace"].isna().all()
+
+
+def test_train_puts_its_three_outputs_in_place_only_once_all_are_written(tmp_path, prepared, one_thread, monkeypatch):
+    """The model directory, dvclive's files and the introspection tables are all written before any
+    is put in place: a failure while writing the last (here a full disk at the tables' sums) leaves
+    the three earlier directories themselves (the same inodes, the same bytes), and no temp
+    directory. (They were swapped one by one: the model could be new and the tables old.)"""
+    import errno
+
+    from click.testing import CliRunner
+
+    from ddpmrepro import tables
+    from ddpmrepro.cli import main
+
+    params = write_params(tmp_path / "p.yaml", train={"steps": 2, "checkpoint_every": 2, "log_every": 1})
+    cmd = train_cmd(tmp_path, prepared, params, 1)[3:]
+    assert CliRunner().invoke(main, cmd).exit_code == 0
+    outs = [tmp_path / name for name in ("model", "live", "introspect")]
+
+    def state():
+        return [(os.stat(d).st_ino, {f.relative_to(d).as_posix(): f.read_bytes() for f in d.rglob("*") if f.is_file()})
+                for d in outs]
+    before = state()
+
+    def full(directory):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    monkeypatch.setattr(tables, "write_sums", full)
+    result = CliRunner().invoke(main, cmd)  # finished: it exports again, and fails at the last file
+    assert result.exit_code == 1 and "No space left on device" in result.output, result.output
+    assert state() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "introspect", "live", "model", "p.yaml"]
+    monkeypatch.undo()
+    assert CliRunner().invoke(main, cmd).exit_code == 0  # and the next export puts all three in place
+    after = state()
+    assert all(a[0] != b[0] and a[1] == b[1] for a, b in zip(after, before))

@@ -231,13 +231,19 @@ def copy_dir(src: Path, dst: Path, kind: OutputKind) -> None:
     """Replaces `dst` (missing, empty or a `kind` output) with a copy of `src` (kept), with
     `replace_dir`'s guarantee."""
     with replacing_dir(dst, kind) as tmp:
-        try:
-            shutil.copytree(src, tmp, dirs_exist_ok=True)
-        except shutil.Error as e:  # a list of (src, dst, why) per file, not an OSError
-            full = as_disk_full(e, dst)
-            if full is e:
-                raise
-            raise full from e
+        copy_into(src, tmp, shown=dst)
+
+
+def copy_into(src: Path, tmp: Path, *, shown: Path) -> None:
+    """Copies the tree `src` into the directory `tmp` (the temp sibling `replacing_dir` gave for
+    `shown`); a full disk is the OSError(ENOSPC) naming `shown`."""
+    try:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+    except shutil.Error as e:  # a list of (src, dst, why) per file, not an OSError
+        full = as_disk_full(e, shown)
+        if full is e:
+            raise
+        raise full from e
 
 
 def as_disk_full(e: Exception, path: Path) -> Exception:

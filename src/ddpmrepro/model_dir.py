@@ -82,36 +82,44 @@ def write_model(out: Path, config: dict, weights: dict[str, torch.Tensor] | None
     :param loss_weight: the learned loss weighting's tensors (LOSS_WEIGHT_FILE), where trained with
         `diffusion.loss_weighting: learned`; never read by sampling.
     """
+    with files.replacing_dir(out, outputs.MODEL) as tmp:
+        write_model_into(tmp, config, weights, emas, snapshots=snapshots, loss_weight=loss_weight)
+
+
+def write_model_into(tmp: Path, config: dict, weights: dict[str, torch.Tensor] | None,
+                     emas: dict[float, dict[str, torch.Tensor]], snapshots: Path | None = None,
+                     loss_weight: dict[str, torch.Tensor] | None = None) -> None:
+    """`write_model`'s files, into the empty directory `tmp` that `files.replacing_dir` gave (train
+    puts its three outputs in place one after the other once all are written)."""
     missing = [k for k in ("params", "data", "ema_rates") if k not in config]
     if missing or list(config["ema_rates"]) != list(emas) or weights is None and not emas:
         raise ValueError(f"not a model directory's config.json (missing {missing}, ema_rates "
                          f"{config.get('ema_rates')} for EMA weights {list(emas)})")
-    with files.replacing_dir(out, outputs.MODEL) as tmp:
-        if weights is not None:
-            files.save_weights(weights, tmp / MODEL_FILE)
-        for rate, ema in emas.items():
-            files.save_weights(ema, tmp / weights_file(rate))
-        if loss_weight is not None:
-            files.save_weights(loss_weight, tmp / LOSS_WEIGHT_FILE)
-        # Taken from the bytes just written: a file damaged or edited later no longer matches.
-        add_to_manifest(tmp, {f.name: files.sha256(f) for f in sorted(tmp.glob("*.safetensors"))})
-        names = sorted(f.name for f in snapshots.iterdir() if SNAPSHOT.match(f.name)) if snapshots else []
-        if names:
-            (tmp / PHEMA_DIR).mkdir()
-            for name in names:
-                files.link_or_copy(snapshots / name, tmp / PHEMA_DIR / name)
-            # Checked as exported: a snapshot damaged in the run directory fails the train stage, not
-            # a later sample, and is never given a fresh sum.
-            digests = verify_snapshots(tmp / PHEMA_DIR, sums_from=snapshots, fix="retrain (`ddpmrepro train "
-                                       "--restart`)")
-            add_to_manifest(tmp / PHEMA_DIR, digests)
-        # Says that the directory was written with its sums: without it, a SHA256SUMS emptied or
-        # deleted read as a directory from before the sums were kept, and nothing was checked.
-        config = {**config, "checksums": MANIFEST_FILE}
-        files.atomic_write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2))
-        # config.json says what network and diffusion the weights are: an edit there (T=1000 for a
-        # model trained with T=50) would load and sample without an error, so it is summed as well.
-        add_to_manifest(tmp, {CONFIG_FILE: files.sha256(tmp / CONFIG_FILE)})
+    if weights is not None:
+        files.save_weights(weights, tmp / MODEL_FILE)
+    for rate, ema in emas.items():
+        files.save_weights(ema, tmp / weights_file(rate))
+    if loss_weight is not None:
+        files.save_weights(loss_weight, tmp / LOSS_WEIGHT_FILE)
+    # Taken from the bytes just written: a file damaged or edited later no longer matches.
+    add_to_manifest(tmp, {f.name: files.sha256(f) for f in sorted(tmp.glob("*.safetensors"))})
+    names = sorted(f.name for f in snapshots.iterdir() if SNAPSHOT.match(f.name)) if snapshots else []
+    if names:
+        (tmp / PHEMA_DIR).mkdir()
+        for name in names:
+            files.link_or_copy(snapshots / name, tmp / PHEMA_DIR / name)
+        # Checked as exported: a snapshot damaged in the run directory fails the train stage, not
+        # a later sample, and is never given a fresh sum.
+        digests = verify_snapshots(tmp / PHEMA_DIR, sums_from=snapshots, fix="retrain (`ddpmrepro train "
+                                   "--restart`)")
+        add_to_manifest(tmp / PHEMA_DIR, digests)
+    # Says that the directory was written with its sums: without it, a SHA256SUMS emptied or
+    # deleted read as a directory from before the sums were kept, and nothing was checked.
+    config = {**config, "checksums": MANIFEST_FILE}
+    files.atomic_write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2))
+    # config.json says what network and diffusion the weights are: an edit there (T=1000 for a
+    # model trained with T=50) would load and sample without an error, so it is summed as well.
+    add_to_manifest(tmp, {CONFIG_FILE: files.sha256(tmp / CONFIG_FILE)})
 
 
 # --- reading ---------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ See docs/INTROSPECTION.md for the semantics of every column.
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -219,4 +220,72 @@ def read_table(out_dir: str | Path, table: str):
     return SCHEMAS[table].empty_table().to_pandas()
 
 
-__all__ = ["PARAM_GRADS_SCHEMA", "STEPS_SCHEMA", "ACT_GRADS_SCHEMA", "NOISE_LEVELS_SCHEMA", "SCHEMAS", "TSV_COLUMNS", "TableWriter", "read_table"]
+# --- integrity ---------------------------------------------------------------------------------
+
+# The exported tables' sums, written by train beside them. DVC checks its cache's objects by their
+# md5 only when asked to, and pulled damaged objects from a remote without a word: a figure drawn
+# from changed numbers would look like a finding.
+SUMS_FILE = "SHA256SUMS"
+_REEXPORT = ("re-export them from the run's checkpoint: `dvc repro --force train` (a finished run is not "
+             "retrained), or `dvc pull --force` them from a remote")
+
+
+def _damaged_fix(path: Path) -> str:
+    """What to do about a table whose sum differs. An output checked out by DVC is a hard link to
+    its cache (.dvc/config): the cached copy is damaged too, and DVC keeps it when the stage runs
+    again (checked with DVC 3.67), so a later checkout would bring the damage back."""
+    try:
+        links = os.stat(path).st_nlink
+    except OSError:
+        links = 1
+    if links < 2:
+        return _REEXPORT
+    return (f"its bytes are shared by {links} hard links (DVC's cache): `dvc pull --force` them from a remote, or "
+            f"delete the cached copy (`find .dvc/cache -samefile {path} -delete`) and re-export the tables from "
+            "the run's checkpoint: `dvc repro --force train` (a finished run is not retrained)")
+
+
+def table_files(out_dir: str | Path) -> list[str]:
+    """Every file below `out_dir` (relative, '/'-separated, sorted) but the sums and the hidden
+    files (a killed writer's temp `.name.tmp.pid`, never read)."""
+    out_dir = Path(out_dir)
+    return sorted(f.relative_to(out_dir).as_posix() for f in out_dir.rglob("*")
+                  if f.is_file() and f.name != SUMS_FILE and not f.name.startswith("."))
+
+
+def write_sums(out_dir: str | Path) -> None:
+    """`out_dir`/SHA256SUMS for every table file, in `sha256sum`'s format (`sha256sum -c` checks it)."""
+    out_dir = Path(out_dir)
+    files.atomic_write_text(out_dir / SUMS_FILE,
+                            "".join(f"{files.sha256(out_dir / n)}  {n}\n" for n in table_files(out_dir)))
+
+
+def verify_sums(out_dir: str | Path) -> None:
+    """Checks every table file of `out_dir` against its SHA256SUMS: one `files.CheckpointError`
+    line naming the first file that differs, is missing, or is not listed, and what to do."""
+    out_dir = Path(out_dir)
+    manifest = out_dir / SUMS_FILE
+    if not manifest.is_file():
+        raise files.CheckpointError(
+            f"{manifest}: not found, so the tables cannot be checked (written before ddpmrepro kept their sums, or "
+            f"deleted); {_REEXPORT}")
+    want = {}
+    for line in manifest.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
+            raise files.CheckpointError(f"{manifest}: not a SHA256SUMS file (line {line[:80]!r}); {_REEXPORT}")
+        want[name] = digest
+    have = table_files(out_dir)
+    for name in have:
+        if name not in want:
+            raise files.CheckpointError(f"{out_dir / name}: not listed in {manifest}, so it cannot be checked; "
+                                        f"remove it, or {_REEXPORT}")
+    for name in want:
+        if name not in have:
+            raise files.CheckpointError(f"{out_dir / name}: missing (listed in {manifest}); {_REEXPORT}")
+        if files.sha256(out_dir / name) != want[name]:
+            raise files.CheckpointError(f"{out_dir / name}: sha256 differs from {manifest} (damaged or modified since "
+                                        f"train wrote it); {_damaged_fix(out_dir / name)}")
+
+
+__all__ = ["PARAM_GRADS_SCHEMA", "STEPS_SCHEMA", "ACT_GRADS_SCHEMA", "NOISE_LEVELS_SCHEMA", "SCHEMAS", "TSV_COLUMNS", "TableWriter", "read_table", "SUMS_FILE", "table_files", "write_sums", "verify_sums"]

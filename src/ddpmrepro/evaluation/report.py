@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .. import files, outputs  # noqa: E402
-from ..tables import read_table  # noqa: E402  (the training's tables, not its code)
+from ..tables import read_table, table_files, verify_sums  # noqa: E402  (the training's tables, not its code)
 from ..params import ReportParams  # noqa: E402
 
 MAX_ROWS = 60  # heatmap rows; more parameters are combined per module (norm of the concatenation)
@@ -316,6 +316,10 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
     introspect_dir, live_dir = Path(introspect_dir), Path(live_dir)
     _require_dir(introspect_dir, "introspection", "--introspect")
     _require_dir(live_dir, "dvclive", "--live")
+    if not table_files(introspect_dir):
+        raise ReportInputError(f"{introspect_dir}: no introspection tables (param_grads/, act_grads/, steps/, "
+                               "steps.tsv); pass --introspect the directory that train writes")
+    verify_sums(introspect_dir)  # a figure from damaged numbers would look like a finding
     pg = read_table(introspect_dir, "param_grads")
     ag = read_table(introspect_dir, "act_grads")
     st = read_table(introspect_dir, "steps")

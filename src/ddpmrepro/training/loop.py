@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import files, outputs
+from .. import files, outputs, tables
 from ..data import load_prepared
 from ..model.diffusion import from_params as diffusion_from_params
 from ..model.superres import build_superres
 from ..model.unet import build_unet
-from ..model_dir import data_section, write_model
+from ..model_dir import data_section, write_model_into
 from ..params import Params, ParamsError
 from ..runtime import compilation
 from ..runtime import distributed as D
@@ -348,10 +348,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
             introspection.close()
             train_log.end()
             _note_if_never_steered(sampler, p)
-            _export(paths.model_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary,
-                    snapshots=ckpt_dir / "phema", loss_weight=weighting.export())
-            files.copy_dir(ckpt_dir / "live", paths.live_dir, outputs.TRAIN_LOG)
-            files.copy_dir(ckpt_dir / "introspect", paths.introspect_dir, outputs.INTROSPECTION)
+            _export(paths, ckpt_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary,
+                    loss_weight=weighting.export())
         D.barrier()
     D.cleanup()
     return last.summary
@@ -432,14 +430,25 @@ def _without_timing(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k != "images_per_sec"}
 
 
-def _export(model_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary,
-            snapshots: Path, loss_weight: dict | None = None) -> None:
-    """The model directory (model_dir.py owns its format): the weights, the EMAs, the post-hoc EMA's
-    snapshots, the learned loss weighting (if any), config.json."""
+def _export(paths: TrainPaths, ckpt_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary,
+            loss_weight: dict | None = None) -> None:
+    """The three outputs: the model directory (model_dir.py owns its format: the weights, the EMAs,
+    the post-hoc EMA's snapshots, the learned loss weighting, config.json), dvclive's files and
+    the introspection tables (with their sums, which the report checks). All three are written
+    before any is put in place, so a failure or a kill while writing leaves the old three; the
+    swaps then follow one another (the model directory, which says the run finished, last)."""
     config = {
         "params": params.to_dict(), "data": data_section(manifest),
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
         "ema_rates": list(emas), "final": _without_timing(summary), "torch": torch.__version__,
     }
-    write_model(model_dir, config, raw_model.state_dict(), emas, snapshots=snapshots if snapshots.is_dir() else None,
-                loss_weight=loss_weight)
+    snapshots = ckpt_dir / "phema"
+    with contextlib.ExitStack() as swaps:  # exits in reverse: the introspection tables first, the model last
+        model_tmp = swaps.enter_context(files.replacing_dir(paths.model_dir, outputs.MODEL))
+        live_tmp = swaps.enter_context(files.replacing_dir(paths.live_dir, outputs.TRAIN_LOG))
+        tables_tmp = swaps.enter_context(files.replacing_dir(paths.introspect_dir, outputs.INTROSPECTION))
+        write_model_into(model_tmp, config, raw_model.state_dict(), emas,
+                         snapshots=snapshots if snapshots.is_dir() else None, loss_weight=loss_weight)
+        files.copy_into(ckpt_dir / "live", live_tmp, shown=paths.live_dir)
+        files.copy_into(ckpt_dir / "introspect", tables_tmp, shown=paths.introspect_dir)
+        tables.write_sums(tables_tmp)
