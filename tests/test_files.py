@@ -273,3 +273,20 @@ def test_files_written_together_are_all_replaced_or_none(tmp_path):
     blocker.unlink()
     atomic_write_texts({headline: "new\n", blocker / "detail.json": "new detail\n"})
     assert headline.read_text() == "new\n" and (blocker / "detail.json").read_text() == "new detail\n"
+
+
+def test_a_directory_holding_only_dvcs_gitignore_is_replaced_and_the_gitignore_kept(tmp_path):
+    """Once DVC has removed a killed stage's outputs, reports/train/live holds only DVC's git-tracked
+    `.gitignore` (listing metrics.json): the rerun `dvc exp run` was refused as "not a dvclive
+    directory" (found from outside). It is an output's place: replaced, and its `.gitignore` kept."""
+    dst = make(tmp_path / "out", {".gitignore": b"/metrics.json\n"})
+    with F.replacing_dir(dst, KIND) as tmp:
+        make(tmp, NEW)
+    assert read(dst) == {**NEW, ".gitignore": b"/metrics.json\n"} and siblings(dst) == ["out"]
+    with F.replacing_dir(dst, KIND) as tmp:  # a writer's own .gitignore wins
+        make(tmp, {**NEW, ".gitignore": b"mine\n"})
+    assert read(dst)[".gitignore"] == b"mine\n"
+    theirs = make(tmp_path / "theirs", {".gitignore": b"x\n", "notes.txt": b"mine"})
+    with pytest.raises(OutputRefused, match="is not empty and is not a test output"):
+        with F.replacing_dir(theirs, KIND):
+            pass

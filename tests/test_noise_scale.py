@@ -301,7 +301,7 @@ r, w = dist.get_rank(), dist.get_world_size()
 model = tn.tiny_model()
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 x0, t, noise = tn.example_set(32)
-mine = slice(16 * r, 16 * r + 16)  # rank r: the r-th half of the batch (what 1 process sees concatenated)
+mine = slice(r, 32, w)  # rank r: positions r, r + W, ... of the batch, as training deals them (batches.py)
 ns = NoiseScale(model, enabled=True, micro_batch=16, grad_accum=1, world=w, halflife_steps=100)
 levels = NoiseLevelGradients(model, tn.DIFFUSION.alphas_cumprod, tn.bucket_params(), batch_per_step=32, device="cpu")
 losses = tn.DIFFUSION.training_losses(lambda x, tt: ddp(x, tt), x0[mine], t[mine], noise=noise[mine])["loss"]
@@ -331,11 +331,11 @@ def test_two_processes_measure_what_one_process_with_the_whole_batch_measures(tm
     x0, t, noise = example_set(32)
     per_ex = per_example_grads(model, x0, t, noise)
     # the DDP path: each rank's local gradient is a small batch of 16, the all-reduced one the big batch of 32
-    small = [float(per_ex[16 * r:16 * r + 16].mean(0).square().sum()) for r in range(2)]
+    small = [float(per_ex[r::2].mean(0).square().sum()) for r in range(2)]
     big = float(per_ex.mean(0).square().sum())
     assert got["total"] ** 2 == pytest.approx(big, rel=1e-5)
     assert got["step"] == pytest.approx(two_batch_estimates(big, 32, [(sum(small) / 2, 16)]), rel=1e-4)
-    # the buckets: those of one process given both halves in rank order (its positions' parity is the ranks')
+    # the buckets: those of one process given the whole batch in its order (the halves by global position)
     levels = NoiseLevelGradients(model, DIFFUSION.alphas_cumprod, bucket_params(), batch_per_step=32, device="cpu")
     levels.measure(per_example_losses(model, x0, t, noise), t, grad_multiplier=1.0, loss_scale=1.0, batch=32)
     rows, halves = levels.finish()

@@ -246,3 +246,10 @@ def test_a_damaged_table_shared_with_dvcs_cache_says_how_to_mend_the_cache_too(t
     os.unlink(cache)  # one name left: re-exporting is enough
     with pytest.raises(CheckpointError, match="; re-export them from the run's checkpoint: `dvc repro --force train`"):
         verify_sums(tmp_path / "introspect")
+
+
+def test_bucket_labels_write_timesteps_as_whole_numbers():
+    from ddpmrepro.evaluation.report import _bucket_label
+
+    assert _bucket_label({"bucket": 3, "space": "t", "lo": 750.0, "hi": 1000.0}) == "3: t [750, 1000)"  # was 1e+03
+    assert _bucket_label({"bucket": 0, "space": "logsnr", "lo": -2.4567, "hi": 4.0}) == "0: log-SNR [-2.46, 4)"

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from .outputs import OutputKind, check_replaceable
+from .outputs import GITIGNORE, OutputKind, check_replaceable
 
 if TYPE_CHECKING:
     import torch
@@ -168,6 +168,9 @@ def replacing_dir(dst: Path, kind: OutputKind) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        kept = dst / GITIGNORE  # DVC's list of the outputs inside: git tracks it, DVC does not rewrite it
+        if kept.is_file() and not (tmp / GITIGNORE).exists():
+            shutil.copy2(kept, tmp / GITIGNORE)
         replace_dir(tmp, dst)
     except BaseException:
         # Never the only copy of the output: the new one not yet in place, or the old one swapped out.

@@ -46,6 +46,9 @@ DIFFUSERS = _kind("a diffusers pipeline folder (export)", {"model_index.json"})
 FIGURES = _kind("a figures directory (report)", {"training_curves.png"}, {"IMPORTED.txt"})
 
 
+GITIGNORE = ".gitignore"
+
+
 class OutputRefused(ValueError):
     """An output directory that replacing would destroy: one line naming it, what it is not, and the fix."""
 
@@ -63,7 +66,9 @@ def replace_refusal(path: Path, kind: OutputKind) -> str | None:
     if target == here or target in here.parents:
         return (f"is the working directory{'' if target == here else ' or one above it'}; the output replaces "
                 "its directory whole, which would delete everything in it: name a new directory")
-    names = os.listdir(path)
+    # DVC's `.gitignore` (listing the outputs inside, e.g. reports/train/live/metrics.json) is all that is
+    # left once DVC has removed a killed stage's outputs; `replacing_dir` keeps it.
+    names = [n for n in os.listdir(path) if n != GITIGNORE]
     if not names or kind.recognises(names):
         return None
     return (f"is not empty and is not {kind.name} (it has no {kind.describe_signatures()}); the output "

@@ -136,8 +136,11 @@ def _total_norm(steps: pd.DataFrame, path: Path) -> Path:
 
 
 def _bucket_label(row) -> str:
+    """"0: t [0, 250)" or "1: log-SNR [-2.5, 0.5)": timesteps as whole numbers (`.3g` wrote 1000 as 1e+03)."""
     unit = "t" if row["space"] == "t" else "log-SNR"
-    return f"{int(row['bucket'])}: {unit} [{row['lo']:.3g}, {row['hi']:.3g})"
+    def edge(v):
+        return f"{int(v)}" if unit == "t" and float(v).is_integer() else f"{v:.3g}"
+    return f"{int(row['bucket'])}: {unit} [{edge(row['lo'])}, {edge(row['hi'])})"
 
 
 def _noise_level_shares(levels: pd.DataFrame, path: Path) -> Path:

@@ -5,7 +5,7 @@ transfer between timesteps of Go et al. 2023).
 On a recorded step the batch's loss is split by each example's timestep into buckets (`t` or
 log-SNR edges), and each bucket's part of the step's gradient, G_b, is computed exactly:
 G = sum_b G_b (the loss is a sum over examples, so the gradient is too). Each bucket is split
-once more into two halves by the position of its examples in the batch (even, odd), so that each
+once more into two halves by the position of its examples in the global batch (even, odd), so that each
 bucket also gets its own noise scale, and the whole batch the one of `noise_scale.py` when the step
 has no smaller batch of its own. For every bucket the table gets
 
@@ -73,7 +73,11 @@ class NoiseLevelGradients:
         `grad_multiplier` (1/grad_accum), the training backpropagates. The graph is kept for it."""
         if self._acc is None:
             self._acc = torch.zeros(2 * self.count, self.size, dtype=torch.float32, device=self.params[0].device)
-        rows = self.bucket_of_t[t] * 2 + torch.arange(len(t), device=t.device) % 2  # (B,) position parity: halves
+        # The halves by the parity of each example's place in the global microbatch, r + W l for rank r's
+        # l-th (batches.py deals positions r, r + W, ... to rank r): under DDP the same split as one
+        # process given the whole batch (each rank's own parity split it differently: found from outside).
+        place = D.rank() + D.world_size() * torch.arange(len(t), device=t.device)
+        rows = self.bucket_of_t[t] * 2 + place % 2  # (B,)
         present = torch.unique(rows).tolist()  # one host sync, on recorded steps only
         # fp16: through the loss scale as the training's backward, or small gradients underflow.
         scale = grad_multiplier * loss_scale / batch
