@@ -14,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -378,9 +379,33 @@ def test_snakemake_and_dvc_describe_the_same_dag(repo):
     assert dvc_edges == smk_edges
 
 
+def killed_in_train(repo: Path, *cmd: str) -> None:
+    """Runs `cmd` and SIGKILLs its train stage's process as soon as it starts."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, cwd=repo, env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"],
+                                                "PYTHONPATH": str(repo / "src"), "DVC_NO_ANALYTICS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = False
+    while proc.poll() is None and not killed:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "ddpmrepro.cli" in child.cmdline() and "train" in child.cmdline():
+                    child.kill()
+                    killed = True
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.02)
+    out = proc.communicate(timeout=300)[0]
+    assert killed and proc.returncode != 0, f"the train stage ended before it could be killed:\n{out[-2000:]}"
+
+
 def test_dvc_experiments_show_runs_side_by_side(repo):
     run(repo, "git", "add", "-A")
     run(repo, "git", "commit", "-qm", "baseline")
+    # The first is killed in its train stage and then run again, as the message says to: DVC left only
+    # its .gitignore in reports/train/live, and the rerun was refused (found from outside).
+    killed_in_train(repo, "dvc", "exp", "run", "-S", "train.lr=0.004", "-n", "lr4e-3")
     run(repo, "dvc", "exp", "run", "-S", "train.lr=0.004", "-n", "lr4e-3")
     run(repo, "dvc", "exp", "run", "-S", "train.lr=0.002", "-n", "lr2e-3")
     table = run(repo, "dvc", "exp", "show", "--csv", "--no-pager").stdout
