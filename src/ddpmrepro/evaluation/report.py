@@ -90,11 +90,15 @@ def _log10(a: np.ndarray) -> np.ndarray:
 def _heatmap(table: pd.DataFrame, value: str, title: str, cbar: str, path: Path) -> Path:
     wide = table.pivot_table(index="label", columns="step", values=value, aggfunc="first", observed=True, dropna=False)
     z = _log10(wide.to_numpy())
-    fig, ax = plt.subplots(figsize=(min(4 + 0.12 * wide.shape[1], 16), 1.5 + 0.22 * wide.shape[0]))
+    # At least 7 inches: with few recorded steps the title was cut ("... before clippin").
+    width = max(7.0, min(4 + 0.12 * wide.shape[1], 16))
+    fig, ax = plt.subplots(figsize=(width, 1.5 + 0.22 * wide.shape[0]))
     im = ax.imshow(np.ma.masked_invalid(z), aspect="auto", interpolation="nearest", cmap="viridis")
     ax.set_yticks(range(len(wide.index)), [str(x) for x in wide.index], fontsize=7)
     steps = list(wide.columns)
-    ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 12)).round().astype(int))
+    # As many step labels as the axes (about half the figure, beside the layer names) hold apart:
+    # 12 on 7 inches ran together ("100110120").
+    ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 12, int(width * 0.75))).round().astype(int))
     ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
     ax.set_xlabel("step")
     ax.set_title(title)
@@ -106,7 +110,9 @@ def _topk_lines(ax, table: pd.DataFrame, value: str, k: int, title: str) -> None
     means = table.groupby("label", observed=True)[value].mean().sort_values(ascending=False)
     for label in means.index[:k]:
         d = table[table["label"] == label].sort_values("step")
-        ax.plot(d["step"], d[value], marker=".", ms=3, lw=1, label=str(label))
+        # A zero (no gradient yet: every layer but the zero-initialised output at step 1) has no place on
+        # a log axis; matplotlib drew it as a drop to the bottom. A gap instead.
+        ax.plot(d["step"], d[value].where(d[value] > 0), marker=".", ms=3, lw=1, label=str(label))
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_title(title)

@@ -138,8 +138,9 @@ class StopRequest:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt  # second Ctrl-C: leave now; checkpoints are atomic, nothing is corrupted
         self.requested = True
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of this step "
-              "(Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
+        again = " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""  # a scheduler's SIGTERM waits
+        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of this step{again}",
+              file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
