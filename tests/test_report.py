@@ -241,10 +241,11 @@ def test_a_damaged_table_shared_with_dvcs_cache_says_how_to_mend_the_cache_too(t
     with pytest.raises(CheckpointError) as e:
         make_report(tmp_path / "introspect", tmp_path / "live", tmp_path / "figs", ReportParams())
     assert str(e.value).startswith(f"{part}: sha256 differs from {tmp_path / 'introspect' / 'SHA256SUMS'}")
-    assert f"`find .dvc/cache -samefile {part} -delete`" in str(e.value) and "shared by 2 hard links" in str(e.value)
+    assert f"first delete the cached copy (`find .dvc/cache -samefile {part} -delete`), then re-export them" \
+        in str(e.value) and "shared by 2 hard links" in str(e.value)  # before a pull: DVC trusts its cache
     assert not (tmp_path / "figs").exists()
     os.unlink(cache)  # one name left: re-exporting is enough
-    with pytest.raises(CheckpointError, match="; re-export them from the run's checkpoint: `dvc repro --force train`"):
+    with pytest.raises(CheckpointError, match="; re-export them: `dvc repro --force train` \\(from the run's checkpoint"):
         verify_sums(tmp_path / "introspect")
 
 
@@ -253,3 +254,14 @@ def test_bucket_labels_write_timesteps_as_whole_numbers():
 
     assert _bucket_label({"bucket": 3, "space": "t", "lo": 750.0, "hi": 1000.0}) == "3: t [750, 1000)"  # was 1e+03
     assert _bucket_label({"bucket": 0, "space": "logsnr", "lo": -2.4567, "hi": 4.0}) == "0: log-SNR [-2.46, 4)"
+
+
+def test_a_sums_file_naming_a_file_outside_its_directory_is_not_a_sums_file(tmp_path):
+    from ddpmrepro.files import CheckpointError
+    from ddpmrepro.tables import verify_sums
+
+    synthetic_run(tmp_path / "introspect")
+    sums = tmp_path / "introspect" / "SHA256SUMS"
+    sums.write_text(sums.read_text() + "0" * 64 + "  ../../params.yaml\n")
+    with pytest.raises(CheckpointError, match="SHA256SUMS: not a SHA256SUMS file \\(line '0+  ../../params"):
+        verify_sums(tmp_path / "introspect")

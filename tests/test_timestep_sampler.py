@@ -210,11 +210,13 @@ def test_a_grad_norm_run_that_never_left_uniform_says_so_and_why(capsys):
     p = SimpleNamespace(timestep_sampler="grad-norm", steps=40)
     s = GradNormSampler(np.repeat(np.arange(2), 3))
     _note_if_never_steered(s, p)
-    assert "drew uniformly all 40 steps: its loss history never filled" in capsys.readouterr().err
+    assert "drew uniformly all 40 steps: its loss history (10 losses at every t) never filled; train longer" \
+        in capsys.readouterr().err
     warm(s, np.arange(1.0, 7.0))
     s.update_levels(level_rows(np.arange(1.0, 7.0), s)[:1])  # the second bucket never measured
     _note_if_never_steered(s, p)
-    assert "a noise-level bucket never had a positive measurement" in capsys.readouterr().err
+    assert "no noise-level bucket measurement after its loss history filled gave every bucket a positive ratio; " \
+        "measure the buckets later" in capsys.readouterr().err
     s.update_levels(level_rows(np.arange(1.0, 7.0), s))
     _note_if_never_steered(s, p)
     _note_if_never_steered(LossSecondMomentSampler(6), SimpleNamespace(timestep_sampler="loss-second-moment",

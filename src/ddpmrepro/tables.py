@@ -226,8 +226,8 @@ def read_table(out_dir: str | Path, table: str):
 # md5 only when asked to, and pulled damaged objects from a remote without a word: a figure drawn
 # from changed numbers would look like a finding.
 SUMS_FILE = "SHA256SUMS"
-_REEXPORT = ("re-export them from the run's checkpoint: `dvc repro --force train` (a finished run is not "
-             "retrained), or `dvc pull --force` them from a remote")
+_REEXPORT = ("re-export them: `dvc repro --force train` (from the run's checkpoint where it is there: a finished "
+             "run is not retrained), or `dvc pull --force` them from a remote")
 
 
 def _damaged_fix(path: Path) -> str:
@@ -240,9 +240,8 @@ def _damaged_fix(path: Path) -> str:
         links = 1
     if links < 2:
         return _REEXPORT
-    return (f"its bytes are shared by {links} hard links (DVC's cache): `dvc pull --force` them from a remote, or "
-            f"delete the cached copy (`find .dvc/cache -samefile {path} -delete`) and re-export the tables from "
-            "the run's checkpoint: `dvc repro --force train` (a finished run is not retrained)")
+    return (f"its bytes are shared by {links} hard links (DVC's cache, which pull and checkout trust): first delete "
+            f"the cached copy (`find .dvc/cache -samefile {path} -delete`), then {_REEXPORT}")
 
 
 def table_files(out_dir: str | Path) -> list[str]:
@@ -272,7 +271,7 @@ def verify_sums(out_dir: str | Path) -> None:
     want = {}
     for line in manifest.read_text().splitlines():
         digest, _, name = line.partition("  ")
-        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name or name.startswith("/") or ".." in name.split("/"):
             raise files.CheckpointError(f"{manifest}: not a SHA256SUMS file (line {line[:80]!r}); {_REEXPORT}")
         want[name] = digest
     have = table_files(out_dir)

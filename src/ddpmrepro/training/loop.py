@@ -397,11 +397,14 @@ def _note_if_never_steered(sampler, p) -> None:
     measured ratio. params.check_grad_norm_steers refuses a schedule that can never get there; a
     bucket can still have no ratio at the end (its few examples gave no positive estimate): say so."""
     if p.timestep_sampler == "grad-norm" and not sampler.warmed_up():
-        why = ("its loss history never filled" if (sampler.loss_counts < sampler.history).any()
-               else "a noise-level bucket never had a positive measurement after the loss history filled")
-        print(f"note: train.timestep_sampler 'grad-norm' drew uniformly all {p.steps} steps: {why}; measure the "
-              "buckets on more steps (introspect.steps, noise_levels_every) or with more examples each (fewer "
-              "introspect.noise_buckets)", file=sys.stderr)
+        if (sampler.loss_counts < sampler.history).any():
+            why = (f"its loss history ({sampler.history} losses at every t) never filled; train longer or with a "
+                   "larger batch")
+        else:
+            why = ("no noise-level bucket measurement after its loss history filled gave every bucket a positive "
+                   "ratio; measure the buckets later or on more steps (introspect.steps, noise_levels_every), or "
+                   "with more examples each (fewer introspect.noise_buckets)")
+        print(f"note: train.timestep_sampler 'grad-norm' drew uniformly all {p.steps} steps: {why}", file=sys.stderr)
 
 
 def _report_resume(latest: Path, step: int, saved: dict, p, ckpt_dir: Path) -> None:
