@@ -146,9 +146,15 @@ def test_replacing_dir_creates_replaces_and_leaves_dst_alone_on_error(tmp_path):
     assert read(dst) == NEW and siblings(dst) == ["out"]
 
 
+def copy_dir(src: Path, dst: Path, kind) -> None:
+    """`dst` replaced by a copy of `src`, as train exports its run directory's tables and logs."""
+    with F.replacing_dir(dst, kind) as tmp:
+        F.copy_into(src, tmp, shown=dst)
+
+
 def test_copy_dir_keeps_its_source(tmp_path):
     src, dst = make(tmp_path / "work", NEW), make(tmp_path / "out", OLD)
-    F.copy_dir(src, dst, KIND)
+    copy_dir(src, dst, KIND)
     assert read(dst) == NEW == read(src)
 
 
@@ -165,17 +171,17 @@ def test_replacing_dir_refuses_a_directory_of_another_kind_before_the_block_runs
     project = make(tmp_path / "project", {"a.txt": b"looks like an output", "params.yaml": b"x"})
     monkeypatch.chdir(project)
     with pytest.raises(OutputRefused, match="is the working directory or one above it"):
-        F.copy_dir(theirs, tmp_path, KIND)
+        copy_dir(theirs, tmp_path, KIND)
     with pytest.raises(OutputRefused, match="is the working directory; "):
-        F.copy_dir(theirs, Path("."), KIND)  # even one its kind recognises
+        copy_dir(theirs, Path("."), KIND)  # even one its kind recognises
     assert read(project) == {"a.txt": b"looks like an output", "params.yaml": b"x"}
 
     (tmp_path / "empty").mkdir()
-    F.copy_dir(theirs, tmp_path / "empty", KIND)  # empty: nothing to lose
+    copy_dir(theirs, tmp_path / "empty", KIND)  # empty: nothing to lose
     assert read(tmp_path / "empty") == read(theirs)
     (tmp_path / "a_file").write_bytes(b"x")
     with pytest.raises(OutputRefused, match="a_file: is a file"):
-        F.copy_dir(theirs, tmp_path / "a_file", KIND)
+        copy_dir(theirs, tmp_path / "a_file", KIND)
 
 
 def test_each_output_kind_recognises_what_its_writer_leaves_and_no_other_kind_does():

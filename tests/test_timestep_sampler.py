@@ -203,25 +203,17 @@ def test_grad_norm_sampler_state_round_trips_and_needs_its_buckets():
     assert math.isnan(GradNormSampler(np.arange(2)).second_moments()[0])
 
 
-def test_a_grad_norm_run_that_never_left_uniform_says_so_and_why(capsys):
-    from types import SimpleNamespace
-    from ddpmrepro.training.loop import _note_if_never_steered
-
-    p = SimpleNamespace(timestep_sampler="grad-norm", steps=40)
+def test_a_grad_norm_run_that_never_left_uniform_says_so_and_why():
     s = GradNormSampler(np.repeat(np.arange(2), 3))
-    _note_if_never_steered(s, p)
     assert "drew uniformly all 40 steps: its loss history (10 losses at every t) never filled; train longer" \
-        in capsys.readouterr().err
+        in s.end_note(40)
     warm(s, np.arange(1.0, 7.0))
     s.update_levels(level_rows(np.arange(1.0, 7.0), s)[:1])  # the second bucket never measured
-    _note_if_never_steered(s, p)
     assert "no noise-level bucket measurement after its loss history filled gave every bucket a positive ratio; " \
-        "measure the buckets later" in capsys.readouterr().err
+        "measure the buckets later" in s.end_note(40)
     s.update_levels(level_rows(np.arange(1.0, 7.0), s))
-    _note_if_never_steered(s, p)
-    _note_if_never_steered(LossSecondMomentSampler(6), SimpleNamespace(timestep_sampler="loss-second-moment",
-                                                                       steps=40))
-    assert capsys.readouterr().err == ""  # steered; IDDPM's sampler says nothing (a short run is uniform by design)
+    assert s.end_note(40) is None  # steered
+    assert LossSecondMomentSampler(6).end_note(40) is None  # IDDPM's says nothing (a short run is uniform by design)
 
 
 @pytest.mark.slow

@@ -230,13 +230,6 @@ def recover_dir(dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
-def copy_dir(src: Path, dst: Path, kind: OutputKind) -> None:
-    """Replaces `dst` (missing, empty or a `kind` output) with a copy of `src` (kept), with
-    `replace_dir`'s guarantee."""
-    with replacing_dir(dst, kind) as tmp:
-        copy_into(src, tmp, shown=dst)
-
-
 def copy_into(src: Path, tmp: Path, *, shown: Path) -> None:
     """Copies the tree `src` into the directory `tmp` (the temp sibling `replacing_dir` gave for
     `shown`); a full disk is the OSError(ENOSPC) naming `shown`."""

@@ -626,13 +626,14 @@ def check_grad_norm_steers(params: "Params") -> None:
     would draw uniformly all run under grad-norm's name: refused. (The global batch counts
     train.nproc processes, one node's; more nodes fill the history sooner.)"""
     t, ip = params.train, params.introspect
-    fill = -(-SAMPLER_HISTORY * params.diffusion.timesteps // (t.batch_per_proc * t.nproc * t.grad_accum))
+    batch = t.batch_per_proc * t.nproc * t.grad_accum
+    fill = -(-SAMPLER_HISTORY * params.diffusion.timesteps // batch)
     measured = [s for s in range(max(fill, 1), t.steps) if levels_measured_at(s, ip, last=t.steps)]
     if not measured:
         raise ParamsError(
             f"train.timestep_sampler: 'grad-norm' would draw uniformly all run: its loss history fills at step "
             f"{fill} at the earliest ({SAMPLER_HISTORY} losses for each of {params.diffusion.timesteps} t at "
-            f"{t.batch_per_proc * t.nproc * t.grad_accum} images a step), and no noise-level buckets are measured "
+            f"{batch} images a step), and no noise-level buckets are measured "
             f"from then until before the last step {t.steps}; add such steps to introspect.steps, or set "
             "introspect.every and noise_levels_every to divide them, or pick another sampler")
 

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .. import files, outputs  # noqa: E402
-from ..tables import read_table, table_files, verify_sums  # noqa: E402  (the training's tables, not its code)
+from ..tables import SUMS_FILE, read_table, verify_sums  # noqa: E402  (the training's tables, not its code)
 from ..params import ReportParams  # noqa: E402
 
 MAX_ROWS = 60  # heatmap rows; more parameters are combined per module (norm of the concatenation)
@@ -325,7 +325,9 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
     introspect_dir, live_dir = Path(introspect_dir), Path(live_dir)
     _require_dir(introspect_dir, "introspection", "--introspect")
     _require_dir(live_dir, "dvclive", "--live")
-    if not table_files(introspect_dir):
+    # train always leaves steps.tsv (with no rows when nothing was recorded) and the sums: without
+    # either this is a wrong path, which deserves that message rather than "SHA256SUMS: not found".
+    if not any((introspect_dir / name).is_file() for name in ("steps.tsv", SUMS_FILE)):
         raise ReportInputError(f"{introspect_dir}: no introspection tables (param_grads/, act_grads/, steps/, "
                                "steps.tsv); pass --introspect the directory that train writes")
     verify_sums(introspect_dir)  # a figure from damaged numbers would look like a finding
@@ -334,12 +336,7 @@ def make_report(introspect_dir: str | Path, live_dir: str | Path, out_dir: str |
     st = read_table(introspect_dir, "steps")
     if not (len(pg) or len(ag) or len(st)):
         # The writer's layout with no rows is a run with introspection turned off (introspect.every 0
-        # and no introspect.steps): the training curves are still worth drawing. Nothing at all is
-        # a wrong path or a damaged output.
-        if not (introspect_dir / "steps.tsv").is_file():
-            raise ReportInputError(
-                f"{introspect_dir}: no introspection tables (param_grads/, act_grads/, steps/, steps.tsv); "
-                "pass --introspect the directory that train writes")
+        # and no introspect.steps): the training curves are still worth drawing.
         log.warning("%s: no steps recorded (introspect.every is 0 and introspect.steps is empty): "
                     "drawing the training curves only (and the learned loss weighting, if any)", introspect_dir)
     metrics = read_live_metrics(live_dir)

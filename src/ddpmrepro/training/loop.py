@@ -348,7 +348,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         if main:
             introspection.close()
             train_log.end()
-            _note_if_never_steered(sampler, p)
+            if note := sampler.end_note(p.steps):
+                print(note, file=sys.stderr)
             _export(paths, ckpt_dir, raw_model, ema.export(), params, manifest, version, run_id, last.summary,
                     loss_weight=weighting.export())
         D.barrier()
@@ -390,21 +391,6 @@ def _refuse_interrupted_run_of_other_code(ckpt_dir: Path, steps: int) -> None:
                 f"{latest}: an interrupted run of these params under code version {other.name} (this code is "
                 f"{ckpt_dir.name}); rerun with `ddpmrepro train --restart` to start over with this code "
                 "(that checkpoint is kept), or restore that code to resume it")
-
-
-def _note_if_never_steered(sampler, p) -> None:
-    """grad-norm draws uniformly until its loss history is full and every noise-level bucket has a
-    measured ratio. params.check_grad_norm_steers refuses a schedule that can never get there; a
-    bucket can still have no ratio at the end (its few examples gave no positive estimate): say so."""
-    if p.timestep_sampler == "grad-norm" and not sampler.warmed_up():
-        if (sampler.loss_counts < sampler.history).any():
-            why = (f"its loss history ({sampler.history} losses at every t) never filled; train longer or with a "
-                   "larger batch")
-        else:
-            why = ("no noise-level bucket measurement after its loss history filled gave every bucket a positive "
-                   "ratio; measure the buckets later or on more steps (introspect.steps, noise_levels_every), or "
-                   "with more examples each (fewer introspect.noise_buckets)")
-        print(f"note: train.timestep_sampler 'grad-norm' drew uniformly all {p.steps} steps: {why}", file=sys.stderr)
 
 
 def _report_resume(latest: Path, step: int, saved: dict, p, ckpt_dir: Path) -> None:

@@ -69,6 +69,10 @@ class UniformSampler:
         """The noise-level buckets' rows of a measured step (`NoiseLevelGradients.finish`); only
         `GradNormSampler` learns from them."""
 
+    def end_note(self, steps: int) -> str | None:
+        """A note for the end of a run of `steps` that the sampler did not do what its name says."""
+        return None
+
     def state_dict(self) -> dict:
         return {}
 
@@ -177,6 +181,20 @@ class GradNormSampler(LossSecondMomentSampler):
 
     def warmed_up(self) -> bool:
         return super().warmed_up() and bool((self.totals > 0).all())
+
+    def end_note(self, steps: int) -> str | None:
+        """params.check_grad_norm_steers refuses a schedule that can never leave uniform; a run can
+        still end uniform (the history filled later than its earliest step, or a bucket's few
+        examples gave no positive estimate): say so, with the advice that fits the cause."""
+        if self.warmed_up():
+            return None
+        if not super().warmed_up():
+            why = f"its loss history ({self.history} losses at every t) never filled; train longer or with a larger batch"
+        else:
+            why = ("no noise-level bucket measurement after its loss history filled gave every bucket a positive "
+                   "ratio; measure the buckets later or on more steps (introspect.steps, noise_levels_every), or "
+                   "with more examples each (fewer introspect.noise_buckets)")
+        return f"note: train.timestep_sampler 'grad-norm' drew uniformly all {steps} steps: {why}"
 
     def ratios(self) -> np.ndarray:
         """r_b = E‖∇θ L‖² / E[L²] per bucket (NaN where not measured yet)."""
