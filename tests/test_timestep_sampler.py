@@ -1,5 +1,6 @@
 """IDDPM's loss-second-moment sampler against its definition, and its unbiasedness."""
 import numpy as np
+import pytest
 import torch
 
 from ddpmrepro.training.timestep_sampler import LossSecondMomentSampler, UniformSampler
@@ -239,6 +240,47 @@ def test_grad_norm_sampler_learns_from_the_buckets_in_training_and_resumes_bitwi
     assert bool((a["sampler"]["totals"] > 0).all())  # every bucket measured: out of its uniform phase
     assert len(a["sampler"]["sums"]) == 4 and float(a["sampler"]["sums"].std()) > 0  # 4 buckets, unequal
 
+
+
+def test_the_replay_draws_the_timestep_uniforms_training_draws():
+    """batches.timestep_uniforms (the replay's) against the draws a training microbatch makes with
+    its images and noise (`example_draws`), for the examples of one global microbatch."""
+    from ddpmrepro.training.batches import example_draws, step_seed, timestep_uniforms
+    seeds = [step_seed(3, 7, j, 1) for j in range(12)]
+    u, _ = example_draws(seeds, (3, 8, 8))
+    assert torch.equal(timestep_uniforms(3, 7, 12), u[:, 2])
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_step_check_params_names_is_the_first_whose_measurement_steers_in_training(tmp_path, accum):
+    """params.check_grad_norm_steers replays the run's draws of t (`steering_step`) to name the first
+    step D whose bucket measurement grad-norm can learn from. A real run with bucket steps D - 1 and
+    D only: after D - 1's measurement no bucket has a ratio (the history was not full when it came),
+    after D's they have; with accumulation the step counts two microbatches. (Checkpoints every
+    step give the sampler's state after each.)"""
+    from ddpmrepro import params as P
+    from ddpmrepro.data import prepare
+    from ddpmrepro.training.checkpoint import list_checkpoints, load_checkpoint, checkpoint_step
+    from ddpmrepro.training.timestep_sampler import steering_step
+    from test_train import run_train, write_params
+
+    first = steering_step(seed=0, timesteps=10, global_batch=8, grad_accum=accum, steps=100)
+    assert first == {1: 18, 2: 9}[accum]  # the replay's answer for these draws (pinned: a changed draw shows here)
+    data = tmp_path / "data"
+    prepare(P.DataParams(), data)
+    params = write_params(tmp_path / "p.yaml",
+                          train={"batch_per_proc": 8, "grad_accum": accum, "timestep_sampler": "grad-norm",
+                                 "steps": first + 1, "checkpoint_every": 1, "keep_checkpoints": 4},
+                          introspect={"every": 0, "steps": [first - 1, first], "noise_buckets": 2})
+    run_train(tmp_path / "run", data, params, 1)
+    (ckpt_dir,) = (tmp_path / "run" / "ckpt").glob("*/*")
+    state = {checkpoint_step(c): load_checkpoint(c)["sampler"] for c in list_checkpoints(ckpt_dir)}
+    assert sorted(state) == [first - 2, first - 1, first, first + 1]
+    assert not (state[first - 1]["totals"] > 0).any(), "a measurement before the named step steered"
+    assert (state[first]["totals"] > 0).any(), "the named step's measurement did not steer"
+    if accum == 1:  # the history was full one microbatch before D - 1's measurement could see it
+        assert not (state[first - 2]["loss_counts"] == 10).all()
+        assert (state[first - 1]["loss_counts"] == 10).all()
 
 # --- the sampler from the output layer's per-example gradients (output-grad-norm) -------------------
 

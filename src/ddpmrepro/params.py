@@ -620,22 +620,29 @@ SAMPLER_HISTORY = 10
 
 
 def check_grad_norm_steers(params: "Params") -> None:
-    """`grad-norm` draws uniformly until the loss history is full (SAMPLER_HISTORY losses for every t,
-    so not before step ceil(SAMPLER_HISTORY x T / global batch)) and every bucket has been measured
-    after that. A run whose buckets are measured only before that step, or only on its last step,
-    would draw uniformly all run under grad-norm's name: refused. (The global batch counts
-    train.nproc processes, one node's; more nodes fill the history sooner.)"""
+    """`grad-norm` draws uniformly until its loss history is full (SAMPLER_HISTORY losses for every
+    t) and every bucket has been measured after that. A run whose buckets are measured only before
+    then, or only on its last step, would draw uniformly all run under grad-norm's name: refused.
+    When the history fills is known before the run: until then t depends only on each example's
+    seed, so the run's draws are replayed (`timestep_sampler.steering_step`, a fraction of a second).
+    (The global batch counts train.nproc processes, one node's; other nodes change the draws.)"""
+    from .training.timestep_sampler import steering_step  # torch: only when grad-norm is asked for
     t, ip = params.train, params.introspect
-    batch = t.batch_per_proc * t.nproc * t.grad_accum
-    fill = -(-SAMPLER_HISTORY * params.diffusion.timesteps // batch)
-    measured = [s for s in range(max(fill, 1), t.steps) if levels_measured_at(s, ip, last=t.steps)]
-    if not measured:
+    batch = t.batch_per_proc * t.nproc
+    first = steering_step(seed=t.seed, timesteps=params.diffusion.timesteps, global_batch=batch,
+                          grad_accum=t.grad_accum, steps=t.steps)
+    history = (f"its loss history ({SAMPLER_HISTORY} losses for each of {params.diffusion.timesteps} t; this "
+               f"run's draws replayed, {batch * t.grad_accum} images a step)")
+    if first is None:
+        raise ParamsError(f"train.timestep_sampler: 'grad-norm' would draw uniformly all run: {history} is not "
+                          f"full before the last step {t.steps}; train longer or with a larger batch, or pick "
+                          "another sampler")
+    if not any(levels_measured_at(s, ip, last=t.steps) for s in range(first, t.steps)):
         raise ParamsError(
-            f"train.timestep_sampler: 'grad-norm' would draw uniformly all run: its loss history fills at step "
-            f"{fill} at the earliest ({SAMPLER_HISTORY} losses for each of {params.diffusion.timesteps} t at "
-            f"{batch} images a step), and no noise-level buckets are measured "
-            f"from then until before the last step {t.steps}; add such steps to introspect.steps, or set "
-            "introspect.every and noise_levels_every to divide them, or pick another sampler")
+            f"train.timestep_sampler: 'grad-norm' would draw uniformly all run: {history} can steer from step "
+            f"{first}, and no noise-level buckets are measured from then until before the last step {t.steps}; "
+            "add such steps to introspect.steps, or set introspect.every and noise_levels_every to divide them, "
+            "or pick another sampler")
 
 
 def levels_measured_at(step: int, ip: "IntrospectParams", *, last: int) -> bool:

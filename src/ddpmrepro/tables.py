@@ -233,7 +233,8 @@ _REEXPORT = ("re-export them: `dvc repro --force train` (from the run's checkpoi
 def _damaged_fix(path: Path) -> str:
     """What to do about a table whose sum differs. An output checked out by DVC is a hard link to
     its cache (.dvc/config): the cached copy is damaged too, and DVC keeps it when the stage runs
-    again (checked with DVC 3.67), so a later checkout would bring the damage back."""
+    again, and `dvc pull --force` and `dvc checkout` trust it and link it back (checked with DVC
+    3.67): the cached copy goes first, then the re-export or the pull."""
     try:
         links = os.stat(path).st_nlink
     except OSError:

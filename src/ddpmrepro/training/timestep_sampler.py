@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..params import SAMPLER_HISTORY
+from .batches import timestep_uniforms
 from .output_grads import OutputGradNorms
 
 
@@ -184,8 +185,9 @@ class GradNormSampler(LossSecondMomentSampler):
 
     def end_note(self, steps: int) -> str | None:
         """params.check_grad_norm_steers refuses a schedule that can never leave uniform; a run can
-        still end uniform (the history filled later than its earliest step, or a bucket's few
-        examples gave no positive estimate): say so, with the advice that fits the cause."""
+        still end uniform (a non-finite loss left out of the history, which then filled later than
+        the check's replay, or a bucket's few examples gave no positive estimate): say so, with the
+        advice that fits the cause."""
         if self.warmed_up():
             return None
         if not super().warmed_up():
@@ -232,6 +234,28 @@ class GradNormSampler(LossSecondMomentSampler):
             raise ValueError(f"sampler state has {len(sums)} buckets, expected {self.count}")
         super().load_state_dict(state)
         self.sums, self.totals = sums.astype(np.float64).copy(), totals.astype(np.float64).copy()
+
+
+def steering_step(*, seed: int, timesteps: int, global_batch: int, grad_accum: int, steps: int,
+                  history: int = SAMPLER_HISTORY) -> int | None:
+    """The first update step whose noise-level measurement `grad-norm` can learn from, found by
+    replaying the run's own draws of t (None if not before `steps`): until then it draws uniformly,
+    so t depends only on each example's seed (`batches.timestep_uniforms`), not on the network.
+
+    `update_levels` needs a full loss history (`history` losses at every t), and the measurement
+    of step s sees the updates of the microbatches before the step's last one (that one's losses
+    reach the sampler just before the next draw, `DeferredUpdates`): a history complete after
+    microbatch m (0-based) serves the first step s with s x grad_accum - 1 > m. Exact as long as
+    every loss is finite (a non-finite one is left out of the history, which then fills later;
+    the run's end note says so). The global batch is the run's (`batch_per_proc` x its processes)."""
+    uniform = UniformSampler(timesteps)
+    counts = np.zeros(timesteps, dtype=np.int64)
+    for m in range(steps * grad_accum):
+        t, _ = uniform.sample_from_uniform(timestep_uniforms(seed, m, global_batch))
+        counts += np.bincount(t.numpy(), minlength=timesteps)
+        if (counts >= history).all():
+            return -(-(m + 2) // grad_accum)
+    return None
 
 
 def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
