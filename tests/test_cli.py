@@ -20,6 +20,17 @@ def test_group_help_lists_every_stage():
     assert set(STAGES + ["info", "check-params"]) <= commands
 
 
+
+def test_group_help_names_dvc_yamls_stages_in_their_order():
+    """The help's "Stages, in pipeline order" line against dvc.yaml (it missed check-params and
+    bits-per-dim, which became stages after it was written)."""
+    import yaml
+    stages = [name.replace("_", "-") for name in
+              yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"]]
+    out = " ".join(CliRunner().invoke(main, ["--help"]).output.split())
+    line = out.split("Stages, in pipeline order: ", 1)[1].split(".", 1)[0]
+    assert line.split(", ") == stages
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_stage_help_says_what_it_reads_and_writes(stage):
     result = CliRunner().invoke(main, [stage, "--help"])

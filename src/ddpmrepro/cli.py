@@ -151,7 +151,8 @@ def _probe(directory: Path) -> str | None:
 def main(verbose: bool) -> None:
     """Reproducible class-conditional DDPM/IDDPM with gradient introspection.
 
-    Stages, in pipeline order: prepare, fit-evaluator, train, sample, evaluate, report.
+    Stages, in pipeline order: check-params, prepare, fit-evaluator, train, sample,
+    bits-per-dim, evaluate, report.
     Run them all with `dvc repro` or `snakemake --cores all`; each reads params.yaml.
     """
     from .runtime.torchrun import die_with_agent
