@@ -269,8 +269,9 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
 
     \b
     Reads:  params `data.*`, `model.*`, `diffusion.*`, `train.*`, `introspect.*`; DATA.
-    Writes: OUT/{model,ema_<rate>}.safetensors + config.json; LIVE (dvclive metrics and
-            per-step plots); INTROSPECT (gradient tables); CHECKPOINTS/<run-hash>/ (resumable).
+    Writes: OUT/{model,ema_<rate>}.safetensors + config.json, phema/ (post-hoc EMA snapshots),
+          SHA256SUMS; LIVE (dvclive metrics and
+            per-step plots); INTROSPECT (gradient tables, SHA256SUMS); CHECKPOINTS/<run-hash>/ (resumable).
     Resumes from the last checkpoint of the same run (params, data and code); Ctrl-C or
     SIGTERM saves a checkpoint at the next step boundary; after a rank fails, torchrun
     restarts the group from that checkpoint (up to train.max_restarts times).
@@ -491,9 +492,11 @@ def report(params_path: Path, introspect_dir: Path, live_dir: Path, out: Path) -
     \b
     Reads:  params `report.*`, `train.import_from`; INTROSPECT tables, LIVE metrics.
     Writes: OUT/*.png (grad-norm heatmaps for parameters and activations, top-k layer
-            lines, total norm vs clip threshold, loss curves).
-    Fails, writing nothing, when INTROSPECT or LIVE is missing or holds no rows. Under
-    train.import_from (an imported model) writes only OUT/IMPORTED.txt: nothing was trained.
+            lines, total norm vs clip threshold, each noise level's share of the update
+            and their conflicts, the gradient noise scale, loss curves).
+    Fails, writing nothing, when INTROSPECT or LIVE is missing or holds no rows, or when
+    INTROSPECT's files differ from its SHA256SUMS. Under train.import_from (an imported
+    model) writes only OUT/IMPORTED.txt: nothing was trained.
     """
     from .evaluation.report import make_report
 
