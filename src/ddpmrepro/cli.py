@@ -269,9 +269,9 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
 
     \b
     Reads:  params `data.*`, `model.*`, `diffusion.*`, `train.*`, `introspect.*`; DATA.
-    Writes: OUT/{model,ema_<rate>}.safetensors + config.json, phema/ (post-hoc EMA snapshots),
-          SHA256SUMS; LIVE (dvclive metrics and
-            per-step plots); INTROSPECT (gradient tables, SHA256SUMS); CHECKPOINTS/<run-hash>/ (resumable).
+    Writes: OUT/{model,ema_<rate>}.safetensors + config.json, phema/ (post-hoc EMA
+            snapshots), SHA256SUMS; LIVE (dvclive metrics and per-step plots); INTROSPECT
+            (gradient tables, SHA256SUMS); CHECKPOINTS/<run-hash>/ (resumable).
     Resumes from the last checkpoint of the same run (params, data and code); Ctrl-C or
     SIGTERM saves a checkpoint at the next step boundary; after a rank fails, torchrun
     restarts the group from that checkpoint (up to train.max_restarts times).
