@@ -431,6 +431,43 @@ def test_other_code_version_never_touches_a_checkpoint_and_an_interrupted_one_is
     assert len(list((tmp_path / "c").glob("*/*"))) == 2
 
 
+
+def test_a_run_on_two_nodes_is_its_own_run_not_resumed_or_handed_back_on_one(tmp_path, prepared):
+    """train.nproc is per node; the node count multiplies the global batch (so the data order and every
+    draw), yet params cannot say it. Two "nodes" on this machine (`--nnodes 2`, a static rendezvous
+    on localhost) then one node with the same params and directories: the one-node run does not
+    hand back the finished two-node run (it trains its own, in its own checkpoint directory, the
+    first one's files untouched), and each model's config.json says how many processes trained it.
+    On one node the run hash is what it always was."""
+    from ddpmrepro.training.loop import run_hash
+
+    params = write_params(tmp_path / "p.yaml", train={"batch_per_proc": 8, "nproc": 1, "steps": 4})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = tmp_path / "run"
+    nodes = [subprocess.Popen([*train_cmd(run, prepared, params, 1), "--nnodes", "2", "--node-rank", str(k),
+                               "--rdzv", f"127.0.0.1:{port}"], env=env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for k in range(2)]
+    logs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    config = json.loads((run / "model" / "config.json").read_text())
+    assert config["processes"] == 2
+    (two_dir,) = (run / "ckpt").glob("*/*")
+    two_files = {f.name: f.read_bytes() for f in two_dir.iterdir() if f.is_file()}
+    two_weights = load_weights(run / "model" / "model.safetensors")
+
+    proc = subprocess.run(train_cmd(run, prepared, params, 1), env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming" not in proc.stderr and "found finished" not in proc.stderr, proc.stderr[-2000:]
+    assert json.loads((run / "model" / "config.json").read_text())["processes"] == 1
+    one_weights = load_weights(run / "model" / "model.safetensors")
+    assert any(not torch.equal(one_weights[k], two_weights[k]) for k in one_weights)
+    assert len(list((run / "ckpt").glob("*/*"))) == 2
+    assert {f.name: f.read_bytes() for f in two_dir.iterdir() if f.is_file()} == two_files
+    loaded = P.load(params)
+    assert run_hash(loaded, "d", processes=1) == run_hash(loaded, "d") != run_hash(loaded, "d", processes=2)
+
 @pytest.mark.slow
 def test_fp16_overflow_step_is_skipped_and_lowers_the_scale(tmp_path, prepared, monkeypatch):
     from ddpmrepro.training import loop as T

@@ -79,8 +79,13 @@ class TrainPaths:
     checkpoint_root: Path
 
 
-def run_hash(params: Params, data_digest: str) -> str:
-    """Identifies what a checkpoint was trained with (the run's checkpoint directory)."""
+def run_hash(params: Params, data_digest: str, processes: int | None = None) -> str:
+    """Identifies what a checkpoint was trained with (the run's checkpoint directory).
+
+    :param processes: the run's process count (world size) where it is not train.nproc, i.e. on
+        several nodes: the global batch, so the data order and every draw, depends on it, and a
+        run resumed (or found finished) on another number of nodes would mix two experiments. On
+        one node the hash is what it always was."""
     import hashlib
 
     d = params.to_dict()
@@ -95,6 +100,8 @@ def run_hash(params: Params, data_digest: str) -> str:
     # What is recorded is part of the run's outputs (the gradient tables, made only while training),
     # and the noise-level buckets steer train.timestep_sampler: grad-norm. A run resumed (or found
     # finished) under other introspect settings would hand back the old tables, or mix them.
+    if processes is not None and processes != params.train.nproc:
+        train["processes"] = processes
     what = {"data": data_digest, "model": model, "diffusion": d["diffusion"], "train": train,
             "introspect": d["introspect"]}
     if params.superres.low_res:  # an upsampler: what it is trained on (a base run's hash is as before)
@@ -201,7 +208,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
 
     # Resume from the newest checkpoint of this exact run: checkpoints/<params+data>/<code>/.
     # Other code never touches that directory, so no finished checkpoint is ever overwritten.
-    run_id = run_hash(params, manifest["splits"]["train"]["sha256"])
+    run_id = run_hash(params, manifest["splits"]["train"]["sha256"], processes=world)
     version = code_version()
     ckpt_dir = paths.checkpoint_root / run_id / version
     # The gradient noise scale from the step's microbatches and ranks (hooks; nothing on one batch a step).
@@ -431,6 +438,7 @@ def _export(paths: TrainPaths, ckpt_dir: Path, raw_model, emas, params: Params, 
         "params": params.to_dict(), "data": data_section(manifest),
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
         "ema_rates": list(emas), "final": _without_timing(summary), "torch": torch.__version__,
+        "processes": D.world_size(),  # params say train.nproc per node; this is the run's world size
     }
     snapshots = ckpt_dir / "phema"
     with contextlib.ExitStack() as swaps:  # exits in reverse: the introspection tables first, the model last
