@@ -115,6 +115,14 @@ BY_PARAMS = {  # site -> [(params.yaml, the key the one line names)]
                                                        "introspect.dump_modules")],
     "training/recording.py:gradient_recorders#3": [({"introspect": {"dump_steps": [1], "dump_modules": ["out.0"]}},
                                                        "introspect.dump_modules")],
+    # grad-norm steering only where its history can fill (the run's draws replayed: step 161 on the defaults)
+    "training/timestep_sampler.py:check_steers#0": [({"train": {"timestep_sampler": "grad-norm", "steps": 100}},
+                                                      "train.timestep_sampler")],
+    "training/timestep_sampler.py:check_steers#1": [
+        ({"train": {"timestep_sampler": "grad-norm"}, "introspect": {"every": 0, "steps": [1]}},
+         "train.timestep_sampler"),
+        ({"train": {"timestep_sampler": "grad-norm"}, "introspect": {"noise_levels_every": 1500}},
+         "train.timestep_sampler")],
     "training/noise_levels.py:bucket_layout": [
         ({"introspect": {"noise_bucket_space": "logsnr", "noise_bucket_edges": [100.0]}},
          "introspect.noise_bucket_edges"),

@@ -242,6 +242,40 @@ def test_grad_norm_sampler_learns_from_the_buckets_in_training_and_resumes_bitwi
 
 
 
+def test_grad_norm_needs_a_bucket_step_after_its_loss_history_fills():
+    """10 losses for each of T = 1000 timesteps at 128 images a step, the defaults' seed: the
+    history is full after microbatch 159 (the replay), so step 161's measurement is the first to
+    see it (step 160's sees the updates before its own microbatch); accumulation halves the step,
+    another seed or batch draws other t. Whether the replay is exact is tested by training
+    (below)."""
+    from ddpmrepro import params as P
+    from ddpmrepro.training.timestep_sampler import check_steers
+
+    def run(**over):
+        params = P.from_dict({"train": {"timestep_sampler": "grad-norm", **over.pop("train", {})},
+                              "introspect": {"every": 0, **over}})
+        check_steers(params, processes=params.train.nproc)
+    run(steps=[161])
+    with pytest.raises(P.ParamsError, match=r"^train.timestep_sampler: 'grad-norm' would draw uniformly all run: its "
+                       r"loss history \(10 losses for each of 1000 t; this run's draws replayed, 128 images a step\) "
+                       "can steer from step 161, and no noise-level buckets"):
+        run(steps=[1, 79, 160])
+    with pytest.raises(P.ParamsError, match=r"256 images a step\) can steer from step 81"):
+        run(steps=[80], train={"grad_accum": 2})
+    run(steps=[81], train={"grad_accum": 2})
+    with pytest.raises(P.ParamsError, match="can steer from step 189,"):  # another seed, other draws
+        run(steps=[188], train={"seed": 1})
+    with pytest.raises(P.ParamsError, match="is not full before the last step 100; train longer"):
+        run(steps=[50], train={"steps": 100})
+    with pytest.raises(P.ParamsError, match="before the last step 161"):  # nothing left to steer
+        run(steps=[161], train={"steps": 161})
+    # train checks on its own world size: two nodes of train.nproc 1 draw 256 t a step, full by step 98
+    two_nodes = P.from_dict({"train": {"timestep_sampler": "grad-norm"}, "introspect": {"every": 0, "steps": [98]}})
+    with pytest.raises(P.ParamsError, match="can steer from step 161"):
+        check_steers(two_nodes, processes=1)
+    check_steers(two_nodes, processes=2)
+
+
 def test_the_replay_draws_the_timestep_uniforms_training_draws():
     """batches.timestep_uniforms (the replay's) against the draws a training microbatch makes with
     its images and noise (`example_draws`), for the examples of one global microbatch."""

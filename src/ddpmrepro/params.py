@@ -588,8 +588,6 @@ def _check_cross_field(obj, path: str) -> None:
                 if st > obj.train.steps:
                     raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
                                       f"{obj.train.steps}); steps count completed updates, 1..train.steps")
-        if obj.train.timestep_sampler == "grad-norm":
-            check_grad_norm_steers(obj)
         if obj.sample.ema_step:
             check_ema_step(obj.sample.ema_step, obj.train)
         if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
@@ -617,32 +615,6 @@ def snapshot_steps(steps: int, count: int) -> list[int]:
 # The losses per t that IDDPM's sampler (and grad-norm's shape within a bucket) keeps before it
 # leaves uniform: training/timestep_sampler.py's `history`.
 SAMPLER_HISTORY = 10
-
-
-def check_grad_norm_steers(params: "Params") -> None:
-    """`grad-norm` draws uniformly until its loss history is full (SAMPLER_HISTORY losses for every
-    t) and every bucket has been measured after that. A run whose buckets are measured only before
-    then, or only on its last step, would draw uniformly all run under grad-norm's name: refused.
-    When the history fills is known before the run: until then t depends only on each example's
-    seed, so the run's draws are replayed (`timestep_sampler.steering_step`, a fraction of a second).
-    (The global batch counts train.nproc processes, one node's; other nodes change the draws.)"""
-    from .training.timestep_sampler import steering_step  # torch: only when grad-norm is asked for
-    t, ip = params.train, params.introspect
-    batch = t.batch_per_proc * t.nproc
-    first = steering_step(seed=t.seed, timesteps=params.diffusion.timesteps, global_batch=batch,
-                          grad_accum=t.grad_accum, steps=t.steps)
-    history = (f"its loss history ({SAMPLER_HISTORY} losses for each of {params.diffusion.timesteps} t; this "
-               f"run's draws replayed, {batch * t.grad_accum} images a step)")
-    if first is None:
-        raise ParamsError(f"train.timestep_sampler: 'grad-norm' would draw uniformly all run: {history} is not "
-                          f"full before the last step {t.steps}; train longer or with a larger batch, or pick "
-                          "another sampler")
-    if not any(levels_measured_at(s, ip, last=t.steps) for s in range(first, t.steps)):
-        raise ParamsError(
-            f"train.timestep_sampler: 'grad-norm' would draw uniformly all run: {history} can steer from step "
-            f"{first}, and no noise-level buckets are measured from then until before the last step {t.steps}; "
-            "add such steps to introspect.steps, or set introspect.every and noise_levels_every to divide them, "
-            "or pick another sampler")
 
 
 def levels_measured_at(step: int, ip: "IntrospectParams", *, last: int) -> bool:

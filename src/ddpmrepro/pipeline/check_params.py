@@ -147,6 +147,9 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
     `checked`: the resolved files of the last check that passed (`check_model` skips what they hold)."""
     s, t = params.sample, params.train
     check_noise_buckets(params)
+    if t.timestep_sampler == "grad-norm" and params.introspect.noise_buckets != 0:  # (0: params.py refuses)
+        from ..training.timestep_sampler import check_steers  # torch (a second): only for grad-norm
+        check_steers(params, processes=t.nproc)
     if s.ema_length:
         check_ema_length(s.ema_length, s.ema_step, t)
     elif s.ema_rate and not t.import_from and s.ema_rate not in t.ema_rates:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..params import SAMPLER_HISTORY
+from ..params import SAMPLER_HISTORY, ParamsError, levels_measured_at
 from .batches import timestep_uniforms
 from .output_grads import OutputGradNorms
 
@@ -256,6 +256,30 @@ def steering_step(*, seed: int, timesteps: int, global_batch: int, grad_accum: i
         if (counts >= history).all():
             return -(-(m + 2) // grad_accum)
     return None
+
+
+def check_steers(params, processes: int) -> None:
+    """`grad-norm` draws uniformly until its loss history is full and every bucket has been measured
+    after that: a run whose buckets are measured only before then, or only on its last step, would
+    draw uniformly all run under grad-norm's name. Refused (one ParamsError line) by check-params
+    (`processes`: train.nproc, one node's) and by train before it writes anything (its world size:
+    other nodes draw other t). When the history fills is known before the run: `steering_step`."""
+    t, ip = params.train, params.introspect
+    batch = t.batch_per_proc * processes
+    first = steering_step(seed=t.seed, timesteps=params.diffusion.timesteps, global_batch=batch,
+                          grad_accum=t.grad_accum, steps=t.steps)
+    history = (f"its loss history ({SAMPLER_HISTORY} losses for each of {params.diffusion.timesteps} t; this "
+               f"run's draws replayed, {batch * t.grad_accum} images a step)")
+    if first is None:
+        raise ParamsError(f"train.timestep_sampler: 'grad-norm' would draw uniformly all run: {history} is not "
+                          f"full before the last step {t.steps}; train longer or with a larger batch, or pick "
+                          "another sampler")
+    if not any(levels_measured_at(s, ip, last=t.steps) for s in range(first, t.steps)):
+        raise ParamsError(
+            f"train.timestep_sampler: 'grad-norm' would draw uniformly all run: {history} can steer from step "
+            f"{first}, and no noise-level buckets are measured from then until before the last step {t.steps}; "
+            "add such steps to introspect.steps, or set introspect.every and noise_levels_every to divide them, "
+            "or pick another sampler")
 
 
 def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
