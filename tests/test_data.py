@@ -365,6 +365,81 @@ def test_image_folder_bad_inputs(existing, tmp_path):
     prepare(params, tmp_path / "ok")  # and now it is fine
 
 
+
+def test_image_folder_layouts_and_names_prepare_would_misread_are_refused_before_decoding(existing, tmp_path):
+    """Found from outside: root/{train,val,test}/<class>/ became three classes named train, val and
+    test; a name that is not UTF-8 failed with a codec's words; a link loop printed 570 characters;
+    a link to nothing was skipped. Each is one line now, from `check_source` (check-params) as from
+    prepare; a class that is called `train` and holds its images is a class."""
+    from ddpmrepro.data.prepared import check_source
+
+    raw = tmp_path / "raw"
+    params = DataParams(source="image_folder", root=str(raw), image_size=8, channels=3)
+
+    def refused(match):
+        with pytest.raises(DataError, match=match):
+            check_source(params)
+        msg = fails(params, existing, match)
+        assert len(msg) < 450, msg  # a loop's path was 570 characters
+
+    for split in ("train", "val", "test"):
+        fake_image_folder(raw / split, classes=("a", "b"), per_class=3, size=(8, 8))
+    refused(r"raw: test, train, val look like splits with class folders inside, not classes; .* exactly "
+            r"train/<class>/ and test/<class>/")
+    (raw / "val").rename(tmp_path / "val")
+    for name in ("train", "test"):
+        (raw / name).rename(raw / name.capitalize())
+    refused("Test, Train look like splits")
+    (raw / "Test").rename(raw / "test")
+    (raw / "Train").rename(raw / "train")
+    check_source(params)  # train/ and test/: the dataset's own split
+    (raw / "test" / "a" / "loop").symlink_to(raw / "test")
+    refused(r"raw/test/a/loop/a: a link to a folder above it \(a symbolic link loop\); remove the link")
+    (raw / "test" / "a" / "loop").unlink()
+    (raw / "train" / "b" / "gone.png").symlink_to(raw / "nothing.png")
+    refused(r"train/b/gone\.png: a symbolic link to nothing")
+    (raw / "train" / "b" / "gone.png").unlink()
+    odd = os.fsencode(raw / "train" / "a") + b"/caf\xe9.png"
+    with open(odd, "wb") as f:
+        f.write((raw / "train" / "a" / "000.png").read_bytes())
+    refused(r"train/a/caf\\xe9\.png: its name is not UTF-8 text")
+    os.unlink(odd)
+    # a class called train, its images in it, beside others: a class
+    flat = tmp_path / "flat"
+    fake_image_folder(flat, classes=("bus", "car", "train"), per_class=3, size=(8, 8))
+    prepared_ = prepare(dataclasses.replace(params, root=str(flat)), tmp_path / "flat_out")
+    assert prepared_["class_names"] == ["bus", "car", "train"]
+
+
+def test_image_folder_split_moves_only_the_files_that_changed(tmp_path):
+    """The stratified split of an image folder is keyed by each file's name in its class folder (found
+    from outside: keyed by the global index, one image added to `cat` changed 5 of the 6 test images
+    of `dog` and of `fox`). Adding a file to one class, or renaming one, leaves every other class's
+    test set as it was and moves at most one other file of that class; the counts stay round(f n)."""
+    raw = tmp_path / "raw"
+    for c, name in enumerate(("cat", "dog", "fox")):
+        (raw / name).mkdir(parents=True)
+        for i in range(30):  # every image its own colour: the bytes say which file it was
+            Image.new("RGB", (8, 8), (c * 80, i * 8, 7)).save(raw / name / f"img_{i:03d}.png")
+    params = DataParams(source="image_folder", root=str(raw), image_size=8, channels=3)
+
+    def test_sets():
+        out = tmp_path / "p"
+        prepare(params, out)
+        p = load_prepared(out)
+        images, labels = np.asarray(p.test_images), np.asarray(p.test_labels)
+        return {c: {images[i, :, 0, 0].tobytes() for i in np.flatnonzero(labels == c)} for c in range(3)}
+
+    before = test_sets()
+    assert [len(v) for v in before.values()] == [6, 6, 6]
+    Image.new("RGB", (8, 8), (0, 250, 9)).save(raw / "cat" / "img_100.png")  # one more cat
+    added = test_sets()
+    assert added[1] == before[1] and added[2] == before[2]
+    assert len(added[0]) == 6 and len(added[0] - before[0]) <= 1
+    (raw / "cat" / "img_000.png").rename(raw / "cat" / "zzz.png")  # one cat renamed
+    renamed = test_sets()
+    assert renamed[1] == before[1] and renamed[2] == before[2] and len(renamed[0] - added[0]) <= 1
+
 # --- other bad inputs --------------------------------------------------------------------------------
 
 

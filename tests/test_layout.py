@@ -13,7 +13,7 @@ ALLOWED = {
     "interop": {"params", "respace", "files", "outputs", "data", "model", "model_dir"},
     # check_params holds the stages to each other (check_pipeline): the bucket rule of training/, the
     # post-hoc EMA's equations and the model's names; nothing below imports pipeline/.
-    "pipeline": {"params", "respace", "files", "tables", "model", "training"},
+    "pipeline": {"params", "respace", "files", "tables", "model", "training", "data"},
     "training": {"params", "respace", "files", "outputs", "tables", "data", "model", "runtime", "model_dir"},
     "evaluation": {"params", "respace", "files", "outputs", "tables", "data", "model", "runtime", "model_dir"},
     "data": {"params", "respace", "files", "outputs"},

@@ -217,6 +217,8 @@ def snapshot(repo: Path) -> dict[str, bytes]:
     ({"train": {"posthoc_ema": []}, "sample": {"ema_length": 0.08}}, "sample.ema_length=0.08"),
     ({"introspect": {"noise_bucket_space": "logsnr", "noise_buckets": 64}}, "introspect.noise_buckets"),
     ({"introspect": {"params": ["nothing.*"]}}, "introspect.params"),
+    # The raw data as prepare lists it: DVC removed data/prepared, then prepare refused (found from outside)
+    ({"data": {"source": "image_folder", "root": "data/raw/none"}}, "data/raw/none: data.root does not exist"),
 ])
 def test_a_params_typo_stops_every_front_end_before_any_output_is_touched(repo, typo, key):
     # A finished run, then a typo: DVC used to remove the train stage's outputs before the stage's

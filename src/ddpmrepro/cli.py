@@ -173,16 +173,18 @@ def check_params(params_path: Path, out: Path, data_dir: Path) -> None:
     """Validate params.yaml, and the stages against each other; write every section resolved.
 
     \b
-    Reads:  the whole params file; DATA/manifest.json where it is there.
+    Reads:  the whole params file; DATA/manifest.json where it is there; where it was not made
+            from these params, data.root as prepare lists it (no image opened).
     Writes: OUT/<section>.yaml for each section whose resolved values changed.
     The pipeline's first stage: DVC runs it before any other stage removes its outputs, so
     whatever a later stage would refuse of these params alone is refused here (check_pipeline).
     """
-    from .pipeline.check_params import check_pipeline, write_resolved
+    from .pipeline.check_params import check_data_source, check_pipeline, write_resolved
 
     params = _load_params(params_path)
     try:
         check_pipeline(params, data_dir, checked=out)
+        check_data_source(params, data_dir)
     except P.ParamsError as e:
         raise ParamsFileError(f"{params_path}: {e}") from None
     try:  # not @user_errors: that imports torch, seconds for a stage that runs on every params edit

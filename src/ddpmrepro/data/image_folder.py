@@ -10,6 +10,7 @@ worker in flight, consumed in submission order: the output bytes are the same fo
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import multiprocessing
 import os
@@ -41,6 +42,7 @@ def read_image_folder(params: DataParams) -> Source:
     if not classes:
         raise DataError(f"{root}: no class sub-folders; put images in {root}/<class_name>/ (one folder per class)")
     files, is_test = FolderFiles(root), None
+    _refuse_splits_as_classes(root, classes)
     if classes == ["test", "train"]:
         classes = _subdirs(root / "train")
         if not classes:
@@ -58,25 +60,79 @@ def read_image_folder(params: DataParams) -> Source:
     size, channels = params.image_size, params.channels
     inputs = Inputs("data.root")
     return Source(files.labels(), classes, is_test, (channels, size, size), None, inputs,
-                  lambda workers: decode_in_order(root, files, size, channels, workers, inputs))
+                  lambda workers: decode_in_order(root, files, size, channels, workers, inputs),
+                  split_keys=files.name_keys)
+
+
+# Folder names that say "split", not "class": root/{train,val,test}/<class>/ taken as three classes would
+# train every class under three wrong labels without a word.
+SPLIT_NAMES = {"train", "training", "test", "testing", "val", "valid", "validation", "dev", "eval"}
+
+
+def _refuse_splits_as_classes(root: Path, classes: list[str]) -> None:
+    """A top folder named like a split whose images all sit in sub-folders is a split of another
+    layout, not a class (a class that happens to be called `train` holds its images itself)."""
+    if classes == ["test", "train"]:
+        return
+    splits = [c for c in classes if c.lower() in SPLIT_NAMES and _images_only_in_subfolders(root / c)]
+    if splits:
+        raise DataError(
+            f"{root}: {', '.join(splits)} look like splits with class folders inside, not classes; data.root "
+            f"holds either <class>/ folders (split here by data.test_fraction) or exactly train/<class>/ and "
+            f"test/<class>/ (your own split, lower case): rename them so, and move any other (a val/ folder) out")
+
+
+def _images_only_in_subfolders(folder: Path) -> bool:
+    with os.scandir(folder) as it:
+        entries = [e for e in it if not e.name.startswith(".")]
+    direct = any(os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS and e.is_file() for e in entries)
+    return not direct and any(e.is_dir() for e in entries)
 
 
 def _subdirs(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    names = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for name in names:
+        _check_utf8(os.fsencode(folder / name))
+    return names
 
 
-def list_images(folder: bytes) -> np.ndarray:
+def _check_utf8(path: bytes) -> None:
+    """A file or folder name that is not UTF-8 (a zip made on Windows, say) cannot go into the
+    manifest or a class name: refused, naming it with its odd bytes escaped."""
+    try:
+        path.decode("utf-8")
+    except UnicodeDecodeError:
+        shown = path.decode("utf-8", "backslashreplace")
+        raise DataError(f"{shown}: its name is not UTF-8 text (made on another system?); rename it, e.g. "
+                        "`convmv -f latin1 -t utf8 -r --notest DIR` for names from Windows") from None
+
+
+def list_images(folder: bytes, _above: frozenset = frozenset()) -> np.ndarray:
     """Image files under `folder`, recursively, as paths relative to it (a byte-string array), in the
-    order of their path components; hidden files and folders are skipped. Names are gathered in
-    batches of bytes, so listing a 100k-file directory costs ~3 MB."""
+    order of their path components; hidden files and folders are skipped, symbolic links followed.
+    Names are gathered in batches of bytes, so listing a 100k-file directory costs ~3 MB. A name
+    that is not UTF-8, a link to a folder above (a loop) and a link to nothing are refused."""
+    here = os.stat(folder)
+    above = _above | {(here.st_dev, here.st_ino)}
     batches, batch, dirs = [], [], set()
     with os.scandir(folder) as it:
         for e in it:
             if e.name.startswith(b"."):
                 continue
             if e.is_dir():
+                _check_utf8(folder + b"/" + e.name)
+                target = os.stat(e.path)
+                if (target.st_dev, target.st_ino) in above:
+                    raise DataError(f"{os.fsdecode(e.path)}: a link to a folder above it (a symbolic link loop); "
+                                    "remove the link")
                 dirs.add(e.name)
-            elif os.path.splitext(e.name)[1].lower() in _EXTENSIONS and e.is_file():
+            elif os.path.splitext(e.name)[1].lower() in _EXTENSIONS:
+                if not e.is_file():
+                    if e.is_symlink():
+                        raise DataError(f"{os.fsdecode(e.path)}: a symbolic link to nothing; restore its target "
+                                        "or remove the link")
+                    continue
+                _check_utf8(folder + b"/" + e.name)
                 batch.append(e.name)
                 if len(batch) == 8192:
                     batches.append(np.array(batch))
@@ -90,7 +146,7 @@ def list_images(folder: bytes) -> np.ndarray:
     found = []
     for name in sorted([*files.tolist(), *dirs]):
         if name in dirs:
-            found += [name + b"/" + sub for sub in list_images(folder + b"/" + name).tolist()]
+            found += [name + b"/" + sub for sub in list_images(folder + b"/" + name, above).tolist()]
         else:
             found.append(name)
     return np.array(found) if found else np.array([], "S1")
@@ -109,8 +165,9 @@ class FolderFiles:
         for label, name in enumerate(classes):
             n = len(list_images(os.fsencode(self.root / rel / name)))
             if not n:
+                where = f"the folder (and {name}/ in the other split folder)" if rel else "the folder"
                 raise DataError(f"{self.root / rel / name}: class folder has no images ({', '.join(IMAGE_EXTENSIONS)}); "
-                                f"add images or remove the folder")
+                                f"add images or remove {where}")
             self.groups.append((f"{rel}{name}/", label, n))
 
     def __len__(self) -> int:
@@ -120,6 +177,15 @@ class FolderFiles:
         """(N,) labels in dataset order, in the smallest integer type that holds them."""
         dtype = np.min_scalar_type(max(label for _, label, _ in self.groups))
         return np.repeat(np.array([label for _, label, _ in self.groups], dtype), [n for _, _, n in self.groups])
+
+    def name_keys(self, seed: int) -> np.ndarray:
+        """(N,) uint64 split keys in dataset order: a hash of the seed and each file's path in its
+        class folder (`prepared.stratified_split`), one group listed at a time."""
+        keys = []
+        for g in range(len(self.groups)):
+            keys += [int.from_bytes(hashlib.blake2b(f"{seed}/".encode() + name, digest_size=8).digest(), "big")
+                     for name in self._names(g).tolist()]
+        return np.array(keys, np.uint64)
 
     def rel_paths(self, start: int, stop: int) -> list[str]:
         """Paths relative to data.root of files start..stop-1, as the manifest records them (in order:

@@ -80,7 +80,8 @@ def prepare(params: DataParams, out_dir: str | Path, *, workers: int | None = No
         raise DataError(f"{params.root}: the {params.source} dataset is empty; add data or fix data.root")
     k = len(source.class_names)
     is_test = source.is_test if source.is_test is not None else stratified_split(
-        labels, k, params.test_fraction, params.split_seed, source.class_names)
+        labels, k, params.test_fraction, params.split_seed, source.class_names,
+        keys=source.split_keys(params.split_seed) if source.split_keys else None)
     for split, mask in (("train", ~is_test), ("test", is_test)):
         if not mask.any():
             raise DataError(f"{params.root}: the {split} split of {params.source} is empty; add data")
@@ -131,23 +132,50 @@ def _size(n: int) -> str:
 
 
 def stratified_split(labels: np.ndarray, num_classes: int, test_fraction: float, seed: int,
-                     class_names: list[str]) -> np.ndarray:
-    """Boolean test mask: round(test_fraction * n_c) images of each class (at least 1, leaving at least 1).
+                     class_names: list[str], keys: np.ndarray | None = None) -> np.ndarray:
+    """Boolean test mask: round(test_fraction * n_c) images of each class (at least 1, leaving at least 1),
+    those with the smallest keys.
 
-    The order within a class comes from hashing (seed, index), so the split depends only on the labels
-    and the seed, never on the numpy version's random streams.
+    `keys` (N,) uint64: each image's own (an image folder's: a hash of the seed and the file's path
+    in its class folder, `image_folder.name_keys`), so that adding, removing or renaming a file
+    moves at most that file and one other of its class between the splits, and no other class's.
+    Without them a hash of (seed, index): the split depends only on the labels and the seed (for
+    the bundled and torchvision datasets, whose order is fixed), never on numpy's random streams.
     """
+    check_class_counts(labels, num_classes, class_names)
     is_test = np.zeros(len(labels), bool)
     for c in range(num_classes):
         idx = np.flatnonzero(labels == c)
-        if len(idx) < 2:
-            raise DataError(f"class {class_names[c]!r}: has {len(idx)} image(s); a stratified split needs at "
-                            f"least 2 per class, add images to it")
         n_test = min(max(int(np.floor(test_fraction * len(idx) + 0.5)), 1), len(idx) - 1)
-        keys = np.fromiter((int.from_bytes(hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest(), "big")
-                            for i in idx), np.uint64, len(idx))  # 8 bytes per image, not a list of bytes objects
-        is_test[idx[np.argsort(keys, kind="stable")[:n_test]]] = True
+        if keys is not None:
+            class_keys = keys[idx]
+        else:
+            class_keys = np.fromiter((int.from_bytes(hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest(),
+                                                     "big") for i in idx), np.uint64, len(idx))  # 8 bytes an image
+        is_test[idx[np.argsort(class_keys, kind="stable")[:n_test]]] = True
     return is_test
+
+
+def check_class_counts(labels: np.ndarray, num_classes: int, class_names: list[str]) -> None:
+    """The stratified split's need: 2 images per class at least (one for each split)."""
+    counts = np.bincount(labels, minlength=num_classes)
+    for c in np.flatnonzero(counts < 2):
+        raise DataError(f"class {class_names[c]!r}: has {counts[c]} image(s); a stratified split needs at "
+                        f"least 2 per class, add images to it")
+
+
+def check_source(params: DataParams) -> None:
+    """What `prepare` would refuse of the raw data before decoding any of it, for check-params, which
+    DVC and Snakemake run before they remove `data/prepared`: data.root and a torchvision source's
+    folder exist; an image folder's layout (class folders with images, its own split or the
+    stratified split's 2 per class, names, links), listed without opening an image. A damaged
+    image is found only when prepare decodes it. The bundled sources need nothing."""
+    if params.source == "image_folder":
+        source = read_image_folder(params)
+        if source.is_test is None:
+            check_class_counts(source.labels, len(source.class_names), source.class_names)
+    else:
+        sources.check_raw_folder(params)
 
 
 def _manifest(params: DataParams, source: Source, files: dict, splits: dict, counts: dict, split: str) -> dict:

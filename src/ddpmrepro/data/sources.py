@@ -95,6 +95,9 @@ class Source:
     inputs: Inputs  # complete once `images` has been consumed
     images: Callable[[int], Iterator[np.ndarray]]  # workers -> (n, C, H, W) uint8 chunks, in order
     md5_official: bool | None = None  # cifar10 only: every file matches torchvision's md5
+    # seed -> (N,) uint64 keys of each image's own name, for a split that an added or renamed file
+    # changes only for itself (image folders); None: keyed by the index (a fixed dataset's order)
+    split_keys: Callable[[int], np.ndarray] | None = None
 
 
 def first_line(e: BaseException) -> str:
@@ -278,7 +281,7 @@ def read_mnist_family(params: DataParams) -> Source:
     """`root/MNIST/raw/*-ubyte` or `root/FashionMNIST/raw/*-ubyte`, exactly as torchvision stores them."""
     folder, names = {"mnist": ("MNIST", DIGIT_NAMES), "fashion_mnist": ("FashionMNIST", FASHION_NAMES)}[params.source]
     root = root_dir(params)
-    raw = root / folder / "raw"
+    raw = root / RAW_FOLDERS[params.source]
     if params.download:
         _download(params.source, root)
     hint = (f"put the four {folder} IDX files in {raw} (torchvision's layout) or set data.download: true "
@@ -347,7 +350,7 @@ def read_cifar10(params: DataParams) -> Source:
     content is taken as the user's own data in the CIFAR format (recorded with md5_official false).
     """
     root = root_dir(params)
-    folder = root / "cifar-10-batches-py"
+    folder = root / RAW_FOLDERS["cifar10"]
     if params.download:
         _download("cifar10", root)
     hint = f"put the extracted cifar-10-batches-py folder in {root} or set data.download: true in params.yaml"
@@ -388,6 +391,21 @@ def read_cifar10(params: DataParams) -> Source:
 
 
 # --- shared ------------------------------------------------------------------------------------
+
+
+# Where under data.root each torchvision source's files are (torchvision's own layout).
+RAW_FOLDERS = {"mnist": "MNIST/raw", "fashion_mnist": "FashionMNIST/raw", "cifar10": "cifar-10-batches-py"}
+
+
+def check_raw_folder(params: DataParams) -> None:
+    """data.root and a torchvision source's folder in it exist (unless data.download): what check-params
+    can see of them without reading the files."""
+    if params.source not in RAW_FOLDERS or params.download:
+        return
+    folder = root_dir(params) / RAW_FOLDERS[params.source]
+    if not folder.is_dir():
+        raise DataError(f"{folder}: not found; put the {params.source} files there in torchvision's layout "
+                        "(docs/DATA.md), fix data.root, or set data.download: true")
 
 
 def root_dir(params: DataParams) -> Path:

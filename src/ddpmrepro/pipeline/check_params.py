@@ -140,6 +140,22 @@ def prepared_manifest(params: Params, data_dir: Path | None) -> dict | None:
     return manifest if manifest.get("params") == params.to_dict()["data"] else None
 
 
+def check_data_source(params: Params, data_dir: Path | None) -> None:
+    """The raw data as `prepare` lists it (`data.check_source`: data.root, an image folder's classes,
+    names and links; no image decoded), where prepare will read it: no manifest in `data_dir` made
+    from these params. Run by the check_params stage, before DVC or Snakemake removes data/prepared
+    to run prepare; not on every params edit that leaves the data as prepared (listing a
+    million-file folder takes seconds), nor at each SLURM job's parse of the Snakefile."""
+    if prepared_manifest(params, data_dir) is not None:
+        return
+    from ..data.prepared import check_source  # PIL and the readers: only where prepare will run
+    from ..data.sources import DataError
+    try:
+        check_source(params.data)
+    except DataError as e:
+        raise ParamsError(str(e)) from None
+
+
 def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path | None = None) -> None:
     """What the stages would refuse of each other, as the pipeline chains them (one ParamsError line):
     `sample` and `evaluate` read the run that `train` makes from the same file, `train` reads the data
@@ -188,6 +204,8 @@ def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | No
     try:
         params = load(path)
         check_pipeline(params, Path(data_dir) if data_dir else None, Path(out_dir) if out_dir else None)
+        if write:  # Snakemake's main process: once a run, before any job (a job's parse need not list the data)
+            check_data_source(params, Path(data_dir) if data_dir else None)
     except ParamsError as e:
         msg = str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
         print(f"Error: {msg}", file=sys.stderr)
