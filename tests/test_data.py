@@ -511,3 +511,29 @@ def test_model_range_round_trip():
                        torch.tensor([0, 0, 128, 255, 255], dtype=torch.uint8))
     with pytest.raises(TypeError):
         to_model_range(np.zeros(3, np.float32))
+
+
+def test_the_documented_dvc_add_of_raw_data_works_with_the_projects_gitignore(tmp_path):
+    """docs/DATA.md, "Versioning raw data with DVC", as written, in a git + DVC repository with this
+    project's .gitignore (found from outside: it ignored data/raw/ whole, and `dvc add` refuses to
+    write a .dvc file git ignores)."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "data" / "raw" / "flowers" / "rose").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[1] / ".gitignore", repo / ".gitignore")
+    Image.new("RGB", (8, 8)).save(repo / "data" / "raw" / "flowers" / "rose" / "a.png")
+    dvc = shutil.which("dvc") or pytest.skip("dvc is not installed")
+
+    def run(*cmd):
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True)
+        assert proc.returncode == 0, (cmd, proc.stdout[-1500:], proc.stderr[-1500:])
+        return proc.stdout
+
+    run("git", "init", "-q")
+    run(dvc, "init", "-q")
+    run(dvc, "add", "data/raw/flowers")
+    run("git", "add", "data/raw/flowers.dvc")
+    staged = run("git", "diff", "--cached", "--name-only").split()
+    assert "data/raw/flowers.dvc" in staged and not any(f.startswith("data/raw/flowers/") for f in staged)
