@@ -347,6 +347,39 @@ def test_a_stage_stale_at_one_snakemake_parse_and_not_at_the_next_is_not_run(rep
     assert "Nothing to be done" in run(repo, "snakemake", "-n").stdout
 
 
+
+def test_a_stage_that_fails_under_snakemake_says_why_on_its_output(repo):
+    """Found from outside: a failed job showed Snakemake's 60-line RuleException, the one-line cause
+    only in logs/dvc/<stage>.log. dvc_stage.sh repeats the stage's own error line on stderr. (A
+    damaged image is the one refusal check-params cannot make: no image is opened before prepare.)
+    DVC removed data/prepared before the stage ran; `dvc checkout` brings it back."""
+    from PIL import Image
+
+    original, lock = (repo / "params.yaml").read_text(), (repo / "dvc.lock").read_bytes()
+    raw = repo / "data" / "raw" / "damaged"
+    for name in ("a", "b"):
+        (raw / name).mkdir(parents=True)
+        for i in range(3):
+            Image.new("L", (8, 8), 40 * i).save(raw / name / f"{i}.png")
+    blob = (raw / "b" / "2.png").read_bytes()
+    (raw / "b" / "2.png").write_bytes(blob[: len(blob) // 2])
+    params = deep_update(yaml.safe_load(original), {"data": {"source": "image_folder", "root": "data/raw/damaged"}})
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        proc = run(repo, "snakemake", "--cores", "1", "prepare", check=False)
+        assert proc.returncode != 0
+        said = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+        assert said and said[0].startswith("Error: data/raw/damaged/b/2.png: not an image file"), proc.stderr[-3000:]
+        assert "stage prepare failed (exit 255); from logs/dvc/prepare.log:" in proc.stderr  # 255: dvc's
+    finally:
+        (repo / "params.yaml").write_text(original)
+        (repo / "dvc.lock").write_bytes(lock)  # the check_params job ran, and recorded these params
+        import shutil
+        shutil.rmtree(repo / "data" / "raw")
+        run(repo, "dvc", "checkout")  # data/prepared, which DVC removed
+        run(repo, "dvc", "repro", "-s", "check_params")  # reports/params/ (git's, not DVC's cache), as they were
+    assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
+
 def test_snakemake_while_dvc_runs_is_one_line_not_a_traceback(repo):
     """While a `dvc repro` writes an output, DVC's status (which the Snakefile asks at parse time) is
     refused with its lock error: a 13-frame traceback before (found from outside)."""

@@ -18,11 +18,22 @@
 # same job id, which resumes from the checkpoint. Snakemake sees that job PENDING and RUNNING
 # again and waits for it to COMPLETE: no resubmission, no retry used up, however many times
 # a long training is stopped. In any other case the job fails, and Snakemake's `retries` resubmit it.
+#
+# A failed stage's own one-line errors are repeated on stderr, where Snakemake shows them (its own
+# message names only the log file).
 set -u
 stage=$1 log=$2
 
+say_why() {
+  echo "stage $stage failed (exit $1); from $log:" >&2
+  grep -E "^(Error|ERROR): " "$log" | head -n 5 >&2
+}
+
 if [ -z "${SLURM_JOB_ID:-}" ]; then
-  exec dvc --wait-for-lock repro --single-item "$stage" > "$log" 2>&1
+  dvc --wait-for-lock repro --single-item "$stage" > "$log" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || say_why $rc
+  exit $rc
 fi
 
 trap '' TERM
@@ -42,4 +53,5 @@ if [ $rc -ne 0 ] && grep -qE "exited with 130$" "$log"; then
     fi
   fi
 fi
+[ $rc -eq 0 ] || say_why $rc
 exit $rc
