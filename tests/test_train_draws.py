@@ -92,3 +92,18 @@ def test_draws_made_ahead_give_the_microbatch_of_the_synchronous_code_bitwise(hf
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
     assert hflip == bool(mb.flip is not None and mb.flip.any())  # the flip case flips something
+
+
+def test_train_hflip_overrides_the_datas_rule():
+    """train.hflip: null follows the manifest's hflip_ok (true for image folders and CIFAR-10, false
+    for digits); false turns mirroring off for images a mirror changes (found from outside: an image
+    folder of text or arrows was always flipped), true turns it on; each setting is its own run."""
+    from ddpmrepro import params as P
+    from ddpmrepro.training.loop import flips, run_hash
+
+    folder, digits = {"hflip_ok": True}, {"hflip_ok": False}
+    unset, off, on = (P.TrainParams(hflip=v) for v in (None, False, True))
+    assert (flips(unset, folder), flips(unset, digits)) == (True, False)
+    assert (flips(off, folder), flips(on, digits)) == (False, True)
+    hashes = {v: run_hash(P.from_dict({"train": {"hflip": v}}), "d") for v in (None, False, True)}
+    assert len(set(hashes.values())) == 3  # each setting its own run directory

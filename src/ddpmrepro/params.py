@@ -240,6 +240,11 @@ class TrainParams:
                                    "the noise levels).")
     label_dropout: float = _f(0.1, min=0.0, max=1.0, doc="Share of labels replaced by the null class "
                                                          "(classifier-free guidance).")
+    hflip: bool | None = _f(None, doc="Mirror each training image left to right with probability 1/2. null: the "
+                                      "dataset's rule (`hflip_ok` in the manifest: true for cifar10 and image "
+                                      "folders, false for digits and MNIST, which a mirror changes); false for "
+                                      "images a mirror changes (text, arrows, left/right classes); true to flip "
+                                      "anyway. Part of the run hash when set.")
     checkpoint_every: int = _f(500, min=1, doc="Save a resumable checkpoint every k steps (and at the end "
                                                "and on Ctrl-C/SIGTERM). Operational: not part of the run hash.")
     keep_checkpoints: int = _f(2, min=1, doc="Newest checkpoints kept. Operational.")

@@ -60,10 +60,10 @@ log = logging.getLogger("ddpmrepro.training.loop")
 OPERATIONAL_TRAIN_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every", "on_nonfinite", "max_restarts")
 
 
-# Keys that change the run's last bits, not what it learns, added after runs existed: hashed only when
-# not at this value (what every earlier run did), so those runs keep their hash. Compiled kernels and
-# NHWC convolutions round differently; train.cuda_graphs' all-reduce is not DDP's.
-HASHED_ONLY_WHEN_ON = {"compile": "none", "cuda_graphs": False, "channels_last": False}
+# Keys added after runs existed: hashed only when not at this value (what every earlier run did), so
+# those runs keep their hash. Compiled kernels and NHWC convolutions round differently (the last bits,
+# not what is learnt); train.cuda_graphs' all-reduce is not DDP's; train.hflip, set, overrides the data's rule.
+HASHED_ONLY_WHEN_ON = {"compile": "none", "cuda_graphs": False, "channels_last": False, "hflip": None}
 
 
 # The superres keys that change what an upsampler learns (the others are read by sampling only).
@@ -108,6 +108,11 @@ def run_hash(params: Params, data_digest: str, processes: int | None = None) -> 
         what["superres"] = {k: d["superres"][k] for k in SUPERRES_TRAIN_KEYS}
     blob = json.dumps(what, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def flips(p, manifest: dict) -> bool:
+    """Whether training mirrors images at random: train.hflip where set, else the data's rule."""
+    return bool(manifest.get("hflip_ok", False)) if p.hflip is None else p.hflip
 
 
 def lr_at(step: int, p) -> float:
@@ -263,7 +268,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         # each example's draws from its own seed. Both made ahead on a background thread, off the
         # step's critical path; only the timesteps wait for the sampler's last update.
         examples = TrainExamples(labels, seed=p.seed, rank=rank, world=world, num_classes=num_classes,
-                                 label_dropout=p.label_dropout, hflip=bool(manifest.get("hflip_ok", False)),
+                                 label_dropout=p.label_dropout, hflip=flips(p, manifest),
                                  superres=sr, pin=device.type == "cuda")
         batches = TrainBatches(data.train_images, batch_size=p.batch_per_proc, world=world, rank=rank, seed=p.seed,
                                device=device, prepare=examples.draws)
