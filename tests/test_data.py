@@ -537,3 +537,11 @@ def test_the_documented_dvc_add_of_raw_data_works_with_the_projects_gitignore(tm
     run("git", "add", "data/raw/flowers.dvc")
     staged = run("git", "diff", "--cached", "--name-only").split()
     assert "data/raw/flowers.dvc" in staged and not any(f.startswith("data/raw/flowers/") for f in staged)
+
+
+def test_a_data_root_under_the_home_folder_written_with_a_tilde(tmp_path, monkeypatch):
+    """`root: ~/imgs` is the user's home, as in a shell (found from outside: taken literally)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    fake_image_folder(tmp_path / "imgs", classes=("a", "b"), per_class=3, size=(8, 8))
+    manifest = prepare(DataParams(source="image_folder", root="~/imgs", image_size=8, channels=3), tmp_path / "p")
+    assert manifest["class_names"] == ["a", "b"] and sum(manifest["counts"]["train"]) == 4

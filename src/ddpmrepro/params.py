@@ -45,7 +45,7 @@ class DataParams:
                      doc="The dataset (README, Data sources). `digits` and `mnist5k` ship inside installed "
                          "packages; the others are read from `root`.")
     root: str = _f("data/raw", doc="Where mnist, fashion_mnist, cifar10 and image_folder files live (unused by "
-                                   "digits and mnist5k).")
+                                   "digits and mnist5k); relative to the project, `~` is your home.")
     image_size: int = _f(8, min=8, max=1024, doc="Output side length in pixels (resized with LANCZOS on the "
                                                  "shorter side, then centre-cropped); at least 8, the evaluator's "
                                                  "smallest input.")

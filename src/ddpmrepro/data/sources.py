@@ -409,7 +409,7 @@ def check_raw_folder(params: DataParams) -> None:
 
 
 def root_dir(params: DataParams) -> Path:
-    root = Path(params.root)
+    root = Path(params.root).expanduser()  # `~/data`, as a shell would; relative paths from the project
     if not root.is_dir():
         if params.download and params.source in ("mnist", "fashion_mnist", "cifar10"):
             root.mkdir(parents=True, exist_ok=True)
