@@ -545,3 +545,28 @@ def test_a_data_root_under_the_home_folder_written_with_a_tilde(tmp_path, monkey
     fake_image_folder(tmp_path / "imgs", classes=("a", "b"), per_class=3, size=(8, 8))
     manifest = prepare(DataParams(source="image_folder", root="~/imgs", image_size=8, channels=3), tmp_path / "p")
     assert manifest["class_names"] == ["a", "b"] and sum(manifest["counts"]["train"]) == 4
+
+
+def test_an_image_folder_named_in_nfd_prepares_the_bytes_of_the_same_folder_in_nfc(tmp_path):
+    """macOS writes names decomposed (NFD: `a` + combining umlaut), Linux as typed (NFC): the same
+    folder from either labels, orders, splits and records alike (found from outside: `ärger` was
+    label 2 in one and 0 in the other, and the shards differed)."""
+    import unicodedata
+
+    def folder(form):
+        root = tmp_path / form
+        for c, name in enumerate(("zebra", "ärger", "Äpfel", "apple")):
+            d = root / unicodedata.normalize(form, name)
+            d.mkdir(parents=True)
+            for i, file in enumerate(("é.png", "e.png", "ë2.png", "z.png")):
+                Image.new("L", (8, 8), 60 * c + 10 * i).save(d / unicodedata.normalize(form, file))
+        return root
+
+    out = {}
+    for form in ("NFC", "NFD"):
+        manifest = prepare(DataParams(source="image_folder", root=str(folder(form)), image_size=8, test_fraction=0.25),
+                           tmp_path / f"p_{form}")
+        out[form] = {k: v for k, v in manifest.items() if k != "params"}
+        out[form]["shards"] = {k: v for k, v in snapshot(tmp_path / f"p_{form}").items() if k != "manifest.json"}
+    assert out["NFC"]["class_names"] == ["apple", "zebra", "Äpfel", "ärger"]  # code points, composed
+    assert out["NFD"] == out["NFC"]

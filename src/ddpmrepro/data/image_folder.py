@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import unicodedata
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -47,19 +48,20 @@ def read_image_folder(params: DataParams) -> Source:
         classes = _subdirs(root / "train")
         if not classes:
             raise DataError(f"{root / 'train'}: no class sub-folders; put images in {root}/train/<class_name>/")
-        if _subdirs(root / "test") != classes:
+        test_classes = _subdirs(root / "test")
+        if list(map(nfc, test_classes)) != list(map(nfc, classes)):
             raise DataError(f"{root / 'test'}: its class folders differ from those in {root / 'train'}; "
                             f"use the same class names in both")
         files.add_classes("train/", classes)
         n_train = len(files)
-        files.add_classes("test/", classes)
+        files.add_classes("test/", test_classes)
         is_test = np.zeros(len(files), bool)
         is_test[n_train:] = True
     else:
         files.add_classes("", classes)
     size, channels = params.image_size, params.channels
     inputs = Inputs("data.root")
-    return Source(files.labels(), classes, is_test, (channels, size, size), None, inputs,
+    return Source(files.labels(), [nfc(c) for c in classes], is_test, (channels, size, size), None, inputs,
                   lambda workers: decode_in_order(root, files, size, channels, workers, inputs),
                   split_keys=files.name_keys)
 
@@ -90,10 +92,22 @@ def _images_only_in_subfolders(folder: Path) -> bool:
 
 
 def _subdirs(folder: Path) -> list[str]:
-    names = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    """The folder's visible sub-folders as named on disk, in the order of their NFC names."""
+    names = [p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
     for name in names:
         _check_utf8(os.fsencode(folder / name))
-    return names
+    return sorted(names, key=lambda n: (nfc(n), n))
+
+
+def nfc(name):
+    """`name` (str or UTF-8 bytes) in Unicode's composed form (NFC): a name macOS wrote decomposed
+    (NFD: `a` + a combining umlaut) is the same name, so it sorts, labels, hashes and is recorded
+    the same wherever the folder was made. ASCII names are returned as they are."""
+    if name.isascii():
+        return name
+    if isinstance(name, bytes):
+        return unicodedata.normalize("NFC", name.decode("utf-8")).encode("utf-8")
+    return unicodedata.normalize("NFC", name)
 
 
 def _check_utf8(path: bytes) -> None:
@@ -141,10 +155,12 @@ def list_images(folder: bytes, _above: frozenset = frozenset()) -> np.ndarray:
         batches.append(np.array(batch))
     # Byte order is str order for UTF-8 names, and NUL padding sorts a prefix first, as str does.
     files = np.sort(np.concatenate(batches)) if batches else np.array([], "S1")
+    if not all(name.isascii() for name in files.tolist()):  # in the order of the NFC names
+        files = np.array(sorted(files.tolist(), key=lambda n: (nfc(n), n)))
     if not dirs:
         return files
     found = []
-    for name in sorted([*files.tolist(), *dirs]):
+    for name in sorted([*files.tolist(), *dirs], key=lambda n: (nfc(n), n)):
         if name in dirs:
             found += [name + b"/" + sub for sub in list_images(folder + b"/" + name, above).tolist()]
         else:
@@ -183,7 +199,7 @@ class FolderFiles:
         class folder (`prepared.stratified_split`), one group listed at a time."""
         keys = []
         for g in range(len(self.groups)):
-            keys += [int.from_bytes(hashlib.blake2b(f"{seed}/".encode() + name, digest_size=8).digest(), "big")
+            keys += [int.from_bytes(hashlib.blake2b(f"{seed}/".encode() + nfc(name), digest_size=8).digest(), "big")
                      for name in self._names(g).tolist()]
         return np.array(keys, np.uint64)
 
@@ -272,7 +288,7 @@ def decode_in_order(root: Path, files: FolderFiles, size: int, channels: int, wo
 
     def done(task, result):
         for rel, sha in zip(task[1], result[1]):
-            inputs.add(rel, sha)
+            inputs.add(nfc(rel), sha)
         return result[0]
 
     if workers == 1:
