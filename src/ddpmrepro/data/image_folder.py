@@ -1,10 +1,11 @@
 """Image folders, `root/<class>/*.png|jpg|...` or `root/{train,test}/<class>/*`: listed, then decoded
 in order by a pool of worker processes.
 
-Memory does not grow with the number of images beyond ~2 bytes each (the label and the split, which
-the stratified split needs for all of them): a class folder is listed once to count its images and
-again, alone, when its images are decoded, so file names are held for one class at a time. The
-order is the order of path components (what sorting `Path`s gives), the same on every machine.
+Memory does not grow with the number of images beyond ~10 bytes each (the label, the split and,
+while the split is made, its key: what the stratified split needs for all of them): a class folder
+is listed to count its images, again for the split's keys, and again, alone, when its images are
+decoded, so file names are held for one class at a time. The order is the order of path components
+(what sorting `Path`s gives) by their names in Unicode's composed form, the same on every machine.
 Decoding runs in fixed-size chunks (their boundaries depend only on the image size), at most two per
 worker in flight, consumed in submission order: the output bytes are the same for 1 or N workers.
 """

@@ -83,6 +83,14 @@ def resolved_text(params: Params, section: str) -> str:
     return HEADER + yaml.safe_dump({section: params.to_dict()[section]}, sort_keys=False)
 
 
+def passed_before(params: Params, checked: Path | None, sections) -> bool:
+    """Whether `checked` (this stage's resolved files, which only a check that passed writes) holds
+    these `sections` as they are now: what depends on them alone was checked then."""
+    return checked is not None and all((Path(checked) / f"{name}.yaml").is_file()
+                                       and (Path(checked) / f"{name}.yaml").read_text() == resolved_text(params, name)
+                                       for name in sections)
+
+
 def check_model(params: Params, num_classes: int | None, checked: Path | None = None) -> None:
     """Builds the network `train` builds from these params on the meta device (names and shapes, no
     memory), so that what its constructor refuses (attention heads that do not divide a level's
@@ -92,9 +100,7 @@ def check_model(params: Params, num_classes: int | None, checked: Path | None = 
     It imports torch (seconds, on every Snakemake parse), so it is skipped where `checked` (this
     stage's resolved files) already holds every section the network depends on as it is now: only
     a check that passed wrote them (tests/test_check_params.py)."""
-    if checked is not None and all((Path(checked) / f"{name}.yaml").is_file()
-                                   and (Path(checked) / f"{name}.yaml").read_text() == resolved_text(params, name)
-                                   for name in MODEL_SECTIONS):
+    if passed_before(params, checked, MODEL_SECTIONS):
         return
     import torch
 
@@ -163,7 +169,8 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
     `checked`: the resolved files of the last check that passed (`check_model` skips what they hold)."""
     s, t = params.sample, params.train
     check_noise_buckets(params)
-    if t.timestep_sampler == "grad-norm" and params.introspect.noise_buckets != 0:  # (0: params.py refuses)
+    if t.timestep_sampler == "grad-norm" and params.introspect.noise_buckets != 0 and \
+            not passed_before(params, checked, ("diffusion", "train", "introspect")):  # (0 buckets: params.py refuses)
         from ..training.timestep_sampler import check_steers  # torch (a second): only for grad-norm
         check_steers(params, processes=t.nproc)
     if s.ema_length:
