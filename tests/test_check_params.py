@@ -321,3 +321,19 @@ def test_batch_larger_than_the_prepared_data_is_refused_where_the_manifest_is_th
     assert check(tmp_path, "train: {batch_per_proc: 501, nproc: 2}\n").returncode == 2
     # a manifest of other data params: prepare remakes the data, so nothing is known yet
     assert check(tmp_path, "train: {batch_per_proc: 1001}\ndata: {split_seed: 1}\n").returncode == 0
+
+
+def test_raw_data_it_may_not_read_is_one_line(tmp_path, monkeypatch):
+    """check_data_source turns an OSError of the listing (a folder it may not read: root reads any,
+    so the error is made here) into the one-line refusal every other check gives."""
+    from ddpmrepro.data import prepared
+    from ddpmrepro.params import ParamsError, from_dict
+    from ddpmrepro.pipeline.check_params import check_data_source
+
+    def denied(data):
+        raise PermissionError(13, "Permission denied", "data/raw/mine/b")
+    monkeypatch.setattr(prepared, "check_source", denied)
+    params = from_dict({"data": {"source": "image_folder", "root": "data/raw/mine"}})
+    with pytest.raises(ParamsError, match=r"^data/raw/mine/b: cannot be read \(Permission denied\); check its "
+                                          r"permissions or fix data.root$"):
+        check_data_source(params, tmp_path / "prepared")

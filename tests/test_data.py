@@ -386,6 +386,11 @@ def test_image_folder_layouts_and_names_prepare_would_misread_are_refused_before
         fake_image_folder(raw / split, classes=("a", "b"), per_class=3, size=(8, 8))
     refused(r"raw: test, train, val look like splits with class folders inside, not classes; .* exactly "
             r"train/<class>/ and test/<class>/")
+    (raw / "train").rename(tmp_path / "train")
+    (raw / "test").rename(tmp_path / "test")
+    refused(r"raw: val looks like a split with class folders inside")
+    (tmp_path / "train").rename(raw / "train")
+    (tmp_path / "test").rename(raw / "test")
     (raw / "val").rename(tmp_path / "val")
     for name in ("train", "test"):
         (raw / name).rename(raw / name.capitalize())
@@ -394,8 +399,18 @@ def test_image_folder_layouts_and_names_prepare_would_misread_are_refused_before
     (raw / "Train").rename(raw / "train")
     check_source(params)  # train/ and test/: the dataset's own split
     (raw / "test" / "a" / "loop").symlink_to(raw / "test")
-    refused(r"raw/test/a/loop/a: a link to a folder above it \(a symbolic link loop\); remove the link")
+    refused(r"raw/test/a/loop: a symbolic link to a folder above it \(a loop\); remove the link")  # the link itself
     (raw / "test" / "a" / "loop").unlink()
+    for name in ("self.png", "selfd"):  # a link to itself (found by the third tester: a traceback in check-params)
+        (raw / "test" / "a" / name).symlink_to(name)
+        refused(rf"test/a/{name}: cannot be followed \(Too many levels of symbolic links\); remove the link")
+        (raw / "test" / "a" / name).unlink()
+    import unicodedata
+    (raw / "train" / unicodedata.normalize("NFC", "café")).mkdir()
+    (raw / "train" / unicodedata.normalize("NFD", "café")).mkdir()  # the same name, as macOS writes it
+    refused("train/café: two names in .*/raw/train are this one in Unicode's composed form")
+    for form in ("NFC", "NFD"):
+        (raw / "train" / unicodedata.normalize(form, "café")).rmdir()
     (raw / "train" / "b" / "gone.png").symlink_to(raw / "nothing.png")
     refused(r"train/b/gone\.png: a symbolic link to nothing")
     (raw / "train" / "b" / "gone.png").unlink()

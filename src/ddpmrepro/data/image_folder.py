@@ -79,8 +79,9 @@ def _refuse_splits_as_classes(root: Path, classes: list[str]) -> None:
         return
     splits = [c for c in classes if c.lower() in SPLIT_NAMES and _images_only_in_subfolders(root / c)]
     if splits:
+        they = "look like splits" if len(splits) > 1 else "looks like a split"
         raise DataError(
-            f"{root}: {', '.join(splits)} look like splits with class folders inside, not classes; data.root "
+            f"{root}: {', '.join(splits)} {they} with class folders inside, not classes; data.root "
             f"holds either <class>/ folders (split here by data.test_fraction) or exactly train/<class>/ and "
             f"test/<class>/ (your own split, lower case): rename them so, and move any other (a val/ folder) out")
 
@@ -94,9 +95,11 @@ def _images_only_in_subfolders(folder: Path) -> bool:
 
 def _subdirs(folder: Path) -> list[str]:
     """The folder's visible sub-folders as named on disk, in the order of their NFC names."""
-    names = [p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    with os.scandir(folder) as it:
+        names = [e.name for e in it if not e.name.startswith(".") and _is_dir(e)]
     for name in names:
         _check_utf8(os.fsencode(folder / name))
+    _refuse_twins(os.fsencode(folder), names)
     return sorted(names, key=lambda n: (nfc(n), n))
 
 
@@ -111,6 +114,25 @@ def nfc(name):
     return unicodedata.normalize("NFC", name)
 
 
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError as e:  # ELOOP: a link to itself, or links that lead to each other
+        raise DataError(f"{os.fsdecode(entry.path)}: cannot be followed ({e.strerror}); remove the link") from None
+
+
+def _refuse_twins(folder, names) -> None:
+    """Two names in one folder that are one name in NFC (`café` typed, and `café` from macOS) would be
+    one class, one split key and one manifest path: refused."""
+    seen = {}
+    for name in names:
+        twin = seen.setdefault(nfc(name), name)
+        if twin != name:
+            shown = f"{os.fsdecode(folder)}/{os.fsdecode(nfc(name))}"
+            raise DataError(f"{shown}: two names in {os.fsdecode(folder)} are this one in Unicode's composed form "
+                            "(one typed, one decomposed as macOS writes it); rename or merge them")
+
+
 def _check_utf8(path: bytes) -> None:
     """A file or folder name that is not UTF-8 (a zip made on Windows, say) cannot go into the
     manifest or a class name: refused, naming it with its odd bytes escaped."""
@@ -122,23 +144,22 @@ def _check_utf8(path: bytes) -> None:
                         "`convmv -f latin1 -t utf8 -r --notest DIR` for names from Windows") from None
 
 
-def list_images(folder: bytes, _above: frozenset = frozenset()) -> np.ndarray:
+def list_images(folder: bytes) -> np.ndarray:
     """Image files under `folder`, recursively, as paths relative to it (a byte-string array), in the
     order of their path components; hidden files and folders are skipped, symbolic links followed.
     Names are gathered in batches of bytes, so listing a 100k-file directory costs ~3 MB. A name
-    that is not UTF-8, a link to a folder above (a loop) and a link to nothing are refused."""
-    here = os.stat(folder)
-    above = _above | {(here.st_dev, here.st_ino)}
+    that is not UTF-8, two names that are one in NFC, a link to a folder above it (a loop), a link
+    to itself and a link to nothing are refused."""
     batches, batch, dirs = [], [], set()
     with os.scandir(folder) as it:
         for e in it:
             if e.name.startswith(b"."):
                 continue
-            if e.is_dir():
-                _check_utf8(folder + b"/" + e.name)
-                target = os.stat(e.path)
-                if (target.st_dev, target.st_ino) in above:
-                    raise DataError(f"{os.fsdecode(e.path)}: a link to a folder above it (a symbolic link loop); "
+            if _is_dir(e):
+                _check_utf8(e.path)
+                real, here = os.path.realpath(e.path), os.path.realpath(folder)
+                if os.path.commonpath([real, here]) == real:  # the link leads to this folder or above it
+                    raise DataError(f"{os.fsdecode(e.path)}: a symbolic link to a folder above it (a loop); "
                                     "remove the link")
                 dirs.add(e.name)
             elif os.path.splitext(e.name)[1].lower() in _EXTENSIONS:
@@ -147,7 +168,7 @@ def list_images(folder: bytes, _above: frozenset = frozenset()) -> np.ndarray:
                         raise DataError(f"{os.fsdecode(e.path)}: a symbolic link to nothing; restore its target "
                                         "or remove the link")
                     continue
-                _check_utf8(folder + b"/" + e.name)
+                _check_utf8(e.path)
                 batch.append(e.name)
                 if len(batch) == 8192:
                     batches.append(np.array(batch))
@@ -156,14 +177,15 @@ def list_images(folder: bytes, _above: frozenset = frozenset()) -> np.ndarray:
         batches.append(np.array(batch))
     # Byte order is str order for UTF-8 names, and NUL padding sorts a prefix first, as str does.
     files = np.sort(np.concatenate(batches)) if batches else np.array([], "S1")
-    if not all(name.isascii() for name in files.tolist()):  # in the order of the NFC names
-        files = np.array(sorted(files.tolist(), key=lambda n: (nfc(n), n)))
+    if not all(name.isascii() for name in files.tolist()) or not all(name.isascii() for name in dirs):
+        files = np.array(sorted(files.tolist(), key=lambda n: (nfc(n), n)))  # in the order of the NFC names
+        _refuse_twins(folder, [*files.tolist(), *dirs])
     if not dirs:
         return files
     found = []
     for name in sorted([*files.tolist(), *dirs], key=lambda n: (nfc(n), n)):
         if name in dirs:
-            found += [name + b"/" + sub for sub in list_images(folder + b"/" + name, above).tolist()]
+            found += [name + b"/" + sub for sub in list_images(folder + b"/" + name).tolist()]
         else:
             found.append(name)
     return np.array(found) if found else np.array([], "S1")

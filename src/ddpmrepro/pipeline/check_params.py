@@ -23,6 +23,7 @@ every stage-time refusal that depends on the params alone to a case this check r
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -160,6 +161,9 @@ def check_data_source(params: Params, data_dir: Path | None) -> None:
         check_source(params.data)
     except DataError as e:
         raise ParamsError(str(e)) from None
+    except OSError as e:  # a folder it may not list, say: one line, as prepare says it
+        raise ParamsError(f"{os.fsdecode(e.filename or params.data.root)}: cannot be read ({e.strerror}); "
+                          "check its permissions or fix data.root") from None
 
 
 def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path | None = None) -> None:
