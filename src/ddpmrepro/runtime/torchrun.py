@@ -216,9 +216,12 @@ def _report(e, work: Path, log_path: Path, terminal) -> tuple[int, bool]:
 
 
 def _clean(work: Path, keep_log: bool) -> None:
+    """The work directory goes, or, where the user is pointed to its log, all of it but the log
+    (torchrun's own run directory too: a failed launch left `elastic/` beside the log)."""
     import shutil
 
-    shutil.rmtree(work / "errors" if keep_log else work, ignore_errors=True)
+    for d in ([work / "errors", work / "elastic"] if keep_log else [work]):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _host() -> str:
