@@ -220,11 +220,13 @@ class FolderFiles:
     def name_keys(self, seed: int) -> np.ndarray:
         """(N,) uint64 split keys in dataset order: a hash of the seed and each file's path in its
         class folder (`prepared.stratified_split`), one group listed at a time."""
-        keys = []
-        for g in range(len(self.groups)):
-            keys += [int.from_bytes(hashlib.blake2b(f"{seed}/".encode() + nfc(name), digest_size=8).digest(), "big")
-                     for name in self._names(g).tolist()]
-        return np.array(keys, np.uint64)
+        keys, start, prefix = np.empty(len(self), np.uint64), 0, f"{seed}/".encode()
+        for g, (_, _, n) in enumerate(self.groups):  # 8 bytes an image, not a list of Python ints
+            keys[start:start + n] = np.fromiter(
+                (int.from_bytes(hashlib.blake2b(prefix + nfc(name), digest_size=8).digest(), "big")
+                 for name in self._names(g).tolist()), np.uint64, n)
+            start += n
+        return keys
 
     def rel_paths(self, start: int, stop: int) -> list[str]:
         """Paths relative to data.root of files start..stop-1, as the manifest records them (in order:
