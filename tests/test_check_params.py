@@ -337,3 +337,16 @@ def test_raw_data_it_may_not_read_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ParamsError, match=r"^data/raw/mine/b: cannot be read \(Permission denied\); check its "
                                           r"permissions or fix data.root$"):
         check_data_source(params, tmp_path / "prepared")
+
+
+def test_the_committed_resolved_sections_are_what_check_params_writes_for_params_yaml(tmp_path):
+    """reports/params/ is git's (DVC's `cache: false`): a key added to the params without them
+    committed anew leaves every fresh clone's check_params stale (found at the session's end:
+    train.hflip was missing from the committed train.yaml)."""
+    from ddpmrepro.params import load
+    from ddpmrepro.pipeline.check_params import write_resolved
+
+    root = Path(__file__).resolve().parents[1]
+    write_resolved(load(root / "params.yaml"), tmp_path)
+    committed = {f.name: f.read_text() for f in (root / "reports" / "params").glob("*.yaml")}
+    assert committed == {f.name: f.read_text() for f in tmp_path.glob("*.yaml")}
