@@ -287,7 +287,7 @@ def test_the_replay_draws_the_timestep_uniforms_training_draws():
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_the_step_check_params_names_is_the_first_whose_measurement_steers_in_training(tmp_path, accum):
-    """params.check_grad_norm_steers replays the run's draws of t (`steering_step`) to name the first
+    """check-params (`check_steers`) replays the run's draws of t (`steering_step`) to name the first
     step D whose bucket measurement grad-norm can learn from. A real run with bucket steps D - 1 and
     D only: after D - 1's measurement no bucket has a ratio (the history was not full when it came),
     after D's they have; with accumulation the step counts two microbatches. (Checkpoints every

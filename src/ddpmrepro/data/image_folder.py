@@ -151,13 +151,14 @@ def list_images(folder: bytes) -> np.ndarray:
     that is not UTF-8, two names that are one in NFC, a link to a folder above it (a loop), a link
     to itself and a link to nothing are refused."""
     batches, batch, dirs = [], [], set()
+    here = os.path.realpath(folder)
     with os.scandir(folder) as it:
         for e in it:
             if e.name.startswith(b"."):
                 continue
             if _is_dir(e):
                 _check_utf8(e.path)
-                real, here = os.path.realpath(e.path), os.path.realpath(folder)
+                real = os.path.realpath(e.path)
                 if os.path.commonpath([real, here]) == real:  # the link leads to this folder or above it
                     raise DataError(f"{os.fsdecode(e.path)}: a symbolic link to a folder above it (a loop); "
                                     "remove the link")

@@ -173,8 +173,7 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
     `checked`: the resolved files of the last check that passed (`check_model` skips what they hold)."""
     s, t = params.sample, params.train
     check_noise_buckets(params)
-    if t.timestep_sampler == "grad-norm" and params.introspect.noise_buckets != 0 and \
-            not passed_before(params, checked, ("diffusion", "train", "introspect")):  # (0 buckets: params.py refuses)
+    if t.timestep_sampler == "grad-norm" and not passed_before(params, checked, ("diffusion", "train", "introspect")):
         from ..training.timestep_sampler import check_steers  # torch (a second): only for grad-norm
         check_steers(params, processes=t.nproc)
     if s.ema_length:

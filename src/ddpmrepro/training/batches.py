@@ -220,18 +220,12 @@ def example_draws(seeds: list[int], shape, low_res_shape=None) -> tuple[torch.Te
 
 
 def timestep_uniforms(seed: int, global_micro: int, global_batch: int) -> torch.Tensor:
-    """The uniforms behind the timesteps (global_batch,) float64 of global microbatch `global_micro`:
-    each example's third uniform, as `TrainExamples.draws` and `example_draws` draw it (the same
-    generator and seed, without the noise after it). A replay of a run's timestep draws
-    (`timestep_sampler.steering_step`) needs only these, not the images or the noise."""
-    u = torch.empty(3, dtype=torch.float64)
-    out = torch.empty(global_batch, dtype=torch.float64)
-    g = torch.Generator()
-    for j in range(global_batch):
-        g.manual_seed(step_seed(seed, global_micro, j, 1))
-        u.uniform_(generator=g)
-        out[j] = u[2]
-    return out
+    """The uniforms behind the timesteps (global_batch,) float64 of global microbatch `global_micro`,
+    as `TrainExamples.draws` draws them (example i of the global batch from `step_seed(seed, m, i, 1)`),
+    with noise of no pixels: a replay of a run's timestep draws (`timestep_sampler.steering_step`)."""
+    seeds = [step_seed(seed, global_micro, i, 1) for i in range(global_batch)]
+    return example_draws(seeds, (0,))[0][:, 2].contiguous()
+
 
 @dataclass
 class Draws:

@@ -201,8 +201,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     ip = params.introspect
     # grad-norm draws by the noise-level buckets that the introspection measures (the same table).
     buckets = bucket_layout(diffusion.alphas_cumprod, ip, p.batch_per_proc * p.grad_accum * world)
-    if p.timestep_sampler == "grad-norm":  # on this run's processes: other nodes draw other t
-        check_steers(params, processes=world)
+    check_steers(params, processes=world)  # grad-norm, on this run's processes: other nodes draw other t
     sampler = create_sampler(p.timestep_sampler, diffusion.num_timesteps, None if buckets is None else buckets[1])
     # Sampler updates are queued and applied just before the next draw: the GPU is never waited for inside a step.
     # (After the EMA copies: output-grad-norm hooks the model's output layer.)

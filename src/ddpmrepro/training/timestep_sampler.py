@@ -184,7 +184,7 @@ class GradNormSampler(LossSecondMomentSampler):
         return super().warmed_up() and bool((self.totals > 0).all())
 
     def end_note(self, steps: int) -> str | None:
-        """params.check_grad_norm_steers refuses a schedule that can never leave uniform; a run can
+        """`check_steers` refuses a schedule that can never leave uniform; a run can
         still end uniform (a non-finite loss left out of the history, which then filled later than
         the check's replay, or a bucket's few examples gave no positive estimate): say so, with the
         advice that fits the cause."""
@@ -263,8 +263,11 @@ def check_steers(params, processes: int) -> None:
     after that: a run whose buckets are measured only before then, or only on its last step, would
     draw uniformly all run under grad-norm's name. Refused (one ParamsError line) by check-params
     (`processes`: train.nproc, one node's) and by train before it writes anything (its world size:
-    other nodes draw other t). When the history fills is known before the run: `steering_step`."""
+    other nodes draw other t). When the history fills is known before the run: `steering_step`.
+    Nothing to check for the other samplers, or without buckets (params.py refuses grad-norm then)."""
     t, ip = params.train, params.introspect
+    if t.timestep_sampler != "grad-norm" or ip.noise_buckets == 0:
+        return
     batch = t.batch_per_proc * processes
     first = steering_step(seed=t.seed, timesteps=params.diffusion.timesteps, global_batch=batch,
                           grad_accum=t.grad_accum, steps=t.steps)
