@@ -323,6 +323,39 @@ def test_batch_larger_than_the_prepared_data_is_refused_where_the_manifest_is_th
     assert check(tmp_path, "train: {batch_per_proc: 1001}\ndata: {split_seed: 1}\n").returncode == 0
 
 
+@pytest.mark.parametrize("own_split", [False, True])
+def test_batch_larger_than_an_image_folder_is_refused_before_prepare_runs(tmp_path, own_split):
+    """Where prepare has yet to run, check-params counts an image folder's training images from its
+    listing (the stratified split's rounding, or the folder's own train/), so that a first run on
+    small own data is refused before DVC removes anything, not by train after prepare (it was).
+    The count's truth is prepare's own manifest of the same folder."""
+    from fake_datasets import fake_image_folder
+
+    from ddpmrepro.data.prepared import prepare
+    from ddpmrepro.params import ParamsError
+    from ddpmrepro.pipeline.check_params import check_data_source
+
+    raw = tmp_path / "raw"
+    for cls, n in (("cat", 5), ("dog", 9), ("fox", 12)):
+        for split, k in ((("train", n), ("test", 2)) if own_split else ((".", n),)):
+            fake_image_folder(raw / split, classes=(cls,), per_class=k, seed=n + k)
+    data = {"source": "image_folder", "root": str(raw), "test_fraction": 0.25, "image_size": 8}
+    train_images = sum(prepare(from_dict({"data": data}).data, tmp_path / "elsewhere")["counts"]["train"])
+    assert train_images == (26 if own_split else 4 + 7 + 9)
+    for nproc in (1, 2):
+        fits = train_images // nproc
+        check_data_source(from_dict({"data": data, "train": {"batch_per_proc": fits, "nproc": nproc}}), None)
+        with pytest.raises(ParamsError, match=rf"^train.batch_per_proc={fits + 1} is larger than this rank's {fits} "
+                                              rf"training images \({raw}, as prepare will split it\); lower it$"):
+            check_data_source(from_dict({"data": data, "train": {"batch_per_proc": fits + 1, "nproc": nproc}}), None)
+    if not own_split:  # the command, as DVC runs it: one line, exit 2, nothing made
+        proc = check(tmp_path, yaml.safe_dump({"data": data, "train": {"batch_per_proc": train_images + 1}}))
+        assert proc.returncode == 2 and proc.stderr == (
+            f"Error: params.yaml: train.batch_per_proc={train_images + 1} is larger than this rank's {train_images} "
+            f"training images ({raw}, as prepare will split it); lower it\n"), proc.stderr
+    assert not (tmp_path / "data").exists()
+
+
 def test_raw_data_it_may_not_read_is_one_line(tmp_path, monkeypatch):
     """check_data_source turns an OSError of the listing (a folder it may not read: root reads any,
     so the error is made here) into the one-line refusal every other check gives."""

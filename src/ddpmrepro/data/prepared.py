@@ -82,9 +82,7 @@ def prepare(params: DataParams, out_dir: str | Path, *, workers: int | None = No
     is_test = source.is_test if source.is_test is not None else stratified_split(
         labels, k, params.test_fraction, params.split_seed, source.class_names,
         keys=source.split_keys(params.split_seed) if source.split_keys else None)
-    for split, mask in (("train", ~is_test), ("test", is_test)):
-        if not mask.any():
-            raise DataError(f"{params.root}: the {split} split of {params.source} is empty; add data")
+    check_split_sizes(params, is_test)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _check_free_space(out_dir, len(labels), source.image_shape)
 
@@ -146,7 +144,7 @@ def stratified_split(labels: np.ndarray, num_classes: int, test_fraction: float,
     is_test = np.zeros(len(labels), bool)
     for c in range(num_classes):
         idx = np.flatnonzero(labels == c)
-        n_test = min(max(int(np.floor(test_fraction * len(idx) + 0.5)), 1), len(idx) - 1)
+        n_test = test_count(len(idx), test_fraction)
         if keys is not None:
             class_keys = keys[idx]
         else:
@@ -154,6 +152,17 @@ def stratified_split(labels: np.ndarray, num_classes: int, test_fraction: float,
                                                      "big") for i in idx), np.uint64, len(idx))  # 8 bytes an image
         is_test[idx[np.argsort(class_keys, kind="stable")[:n_test]]] = True
     return is_test
+
+
+def test_count(n: int, test_fraction: float) -> int:
+    """How many of a class's `n` images the stratified split puts in the test split."""
+    return min(max(int(np.floor(test_fraction * n + 0.5)), 1), n - 1)
+
+
+def check_split_sizes(params: DataParams, is_test: np.ndarray) -> None:
+    for split, mask in (("train", ~is_test), ("test", is_test)):
+        if not mask.any():
+            raise DataError(f"{params.root}: the {split} split of {params.source} is empty; add data")
 
 
 def check_class_counts(labels: np.ndarray, num_classes: int, class_names: list[str]) -> None:
@@ -164,18 +173,25 @@ def check_class_counts(labels: np.ndarray, num_classes: int, class_names: list[s
                         f"least 2 per class, add images to it")
 
 
-def check_source(params: DataParams) -> None:
+def check_source(params: DataParams) -> int | None:
     """What `prepare` would refuse of the raw data before decoding any of it, for check-params, which
     DVC and Snakemake run before they remove `data/prepared`: data.root and a torchvision source's
     folder exist; an image folder's layout (class folders with images, its own split or the
-    stratified split's 2 per class, names, links), listed without opening an image. A damaged
-    image is found only when prepare decodes it. The bundled sources need nothing."""
-    if params.source == "image_folder":
-        source = read_image_folder(params)
-        if source.is_test is None:
-            check_class_counts(source.labels, len(source.class_names), source.class_names)
-    else:
+    stratified split's 2 per class, names, links, neither split empty), listed without opening an
+    image. A damaged image is found only when prepare decodes it. The bundled sources need nothing.
+
+    Returns the number of training images where the listing tells it (an image folder), so that a
+    batch larger than the data is refused before prepare too; None for the other sources."""
+    if params.source != "image_folder":
         sources.check_raw_folder(params)
+        return None
+    source = read_image_folder(params)
+    if source.is_test is not None:
+        check_split_sizes(params, source.is_test)
+        return int((~source.is_test).sum())
+    check_class_counts(source.labels, len(source.class_names), source.class_names)
+    counts = np.bincount(source.labels, minlength=len(source.class_names))
+    return int(sum(n - test_count(int(n), params.test_fraction) for n in counts))
 
 
 def _manifest(params: DataParams, source: Source, files: dict, splits: dict, counts: dict, split: str) -> dict:

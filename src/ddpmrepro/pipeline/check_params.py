@@ -147,9 +147,18 @@ def prepared_manifest(params: Params, data_dir: Path | None) -> dict | None:
     return manifest if manifest.get("params") == params.to_dict()["data"] else None
 
 
+def check_batch_fits(params: Params, train_images: int, where) -> None:
+    """A rank's batch must fit in its share of the training images (train refuses it otherwise)."""
+    t = params.train
+    per_rank = train_images // t.nproc
+    if per_rank < t.batch_per_proc and not t.import_from:
+        raise ParamsError(f"train.batch_per_proc={t.batch_per_proc} is larger than this rank's {per_rank} "
+                          f"training images ({where}); lower it")
+
+
 def check_data_source(params: Params, data_dir: Path | None) -> None:
     """The raw data as `prepare` lists it (`data.check_source`: data.root, an image folder's classes,
-    names and links; no image decoded), where prepare will read it: no manifest in `data_dir` made
+    names and links, and its training images against the batch; no image decoded), where prepare will read it: no manifest in `data_dir` made
     from these params. Run by the check_params stage, before DVC or Snakemake removes data/prepared
     to run prepare; not on every params edit that leaves the data as prepared (listing a
     million-file folder takes seconds), nor at each SLURM job's parse of the Snakefile."""
@@ -158,12 +167,14 @@ def check_data_source(params: Params, data_dir: Path | None) -> None:
     from ..data.prepared import check_source  # PIL and the readers: only where prepare will run
     from ..data.sources import DataError
     try:
-        check_source(params.data)
+        train_images = check_source(params.data)
     except DataError as e:
         raise ParamsError(str(e)) from None
     except OSError as e:  # a folder it may not list, say: one line, as prepare says it
         raise ParamsError(f"{os.fsdecode(e.filename or params.data.root)}: cannot be read ({e.strerror}); "
                           "check its permissions or fix data.root") from None
+    if train_images is not None:
+        check_batch_fits(params, train_images, f"{params.data.root}, as prepare will split it")
 
 
 def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path | None = None) -> None:
@@ -192,11 +203,8 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
                           f"superres.low_res {sr.low_res}, so downsampling is not a block mean to project on; set "
                           "project: false")
     manifest = prepared_manifest(params, data_dir)
-    if manifest and not t.import_from:
-        per_rank = sum(manifest["counts"]["train"]) // t.nproc
-        if per_rank < t.batch_per_proc:
-            raise ParamsError(f"train.batch_per_proc={t.batch_per_proc} is larger than this rank's {per_rank} "
-                              f"training images ({data_dir}); lower it")
+    if manifest:
+        check_batch_fits(params, sum(manifest["counts"]["train"]), data_dir)
     check_model(params, manifest["num_classes"] if manifest else None, checked)
 
 
