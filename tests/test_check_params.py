@@ -149,9 +149,10 @@ BY_OTHER_INPUTS = {  # site -> what it reads besides params.yaml
     "evaluation/superres.py:low_res_inputs#4": "the file superres.low_res_from names",
     "evaluation/superres.py:low_res_inputs#5": "the file superres.low_res_from names",
     "evaluation/superres.py:sample_superres#0": "which command samples the model (see evaluation/sample.py)",
-    "training/loop.py:train": "the prepared data's size, where check-params finds no manifest made from these "
-                              "params (prepare runs after it); where it does, it is checked "
-                              "(test_batch_larger_than_the_prepared_data_is_refused_where_the_manifest_is_there)",
+    "training/loop.py:train": "the prepared data's size: checked where the manifest is there "
+                              "(test_batch_larger_than_the_prepared_data_is_refused_where_the_manifest_is_there) and "
+                              "from an image folder's listing (test_batch_larger_than_an_image_folder_is_refused_"
+                              "before_prepare_runs); a torchvision source's size is prepare's to know",
 }
 
 
@@ -354,6 +355,33 @@ def test_batch_larger_than_an_image_folder_is_refused_before_prepare_runs(tmp_pa
             f"Error: params.yaml: train.batch_per_proc={train_images + 1} is larger than this rank's {train_images} "
             f"training images ({raw}, as prepare will split it); lower it\n"), proc.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_raw_data_missing_in_a_dvc_experiments_temporary_clone_says_how_to_bring_it(tmp_path, monkeypatch):
+    """DVC copies no DVC-tracked data into a queued experiment's clone (DVC issue 10744): where the
+    data must be prepared again the line says `-C` (found from outside: it said only 'create it');
+    where data/prepared holds the data prepared from these params, nothing is listed (train reads
+    that), as in the workspace with the raw folder moved away."""
+    import json
+
+    from ddpmrepro.params import ParamsError
+    from ddpmrepro.pipeline.check_params import check_data_source
+
+    (tmp_path / "proj/.dvc").mkdir(parents=True)
+    clone = tmp_path / "proj/.dvc/tmp/exps/tmpab12"
+    (clone / ".dvc").mkdir(parents=True)
+    monkeypatch.chdir(clone)
+    params = from_dict({"data": {"source": "image_folder", "root": "data/raw/mine", "image_size": 8}})
+    with pytest.raises(ParamsError, match=r"^data/raw/mine: data.root does not exist; .*; DVC does not copy "
+                                          r"DVC-tracked data into an experiment's temporary clone \(DVC issue 10744\): "
+                                          r"queue it with `-C data/raw/mine`, or run it in the workspace$"):
+        check_data_source(params, clone / "data/prepared")
+    (clone / "data/prepared").mkdir(parents=True)
+    (clone / "data/prepared/manifest.json").write_text(json.dumps({"params": params.to_dict()["data"]}))
+    check_data_source(params, clone / "data/prepared")  # the data as prepared from these params: nothing to list
+    monkeypatch.chdir(tmp_path / "proj")  # the workspace: no DVC hint
+    with pytest.raises(ParamsError, match=r"data.root does not exist; [^;]*$"):
+        check_data_source(params, None)
 
 
 def test_raw_data_it_may_not_read_is_one_line(tmp_path, monkeypatch):

@@ -243,6 +243,45 @@ def test_a_params_typo_stops_every_front_end_before_any_output_is_touched(repo, 
     assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
 
 
+def test_an_edit_of_an_image_folder_alone_is_refused_before_dvc_removes_the_prepared_data(tmp_path):
+    """docs/DATA.md's route for own images: the folder `dvc add`ed and a dependency of check_params and
+    prepare. An edit of the folder alone reran check_params, which skipped the listing (the manifest
+    was made from these params), then DVC removed data/prepared and prepare refused the folder
+    (found from outside: a new class of one image)."""
+    import shutil
+
+    from fake_datasets import fake_image_folder
+    from project_copy import tiny_project
+
+    repo = tiny_project(tmp_path / "repo")
+    fake_image_folder(repo / "data/raw/mine", classes=("a", "b", "c"), per_class=4, size=(8, 8))
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["data"].update(source="image_folder", root="data/raw/mine", image_size=8, channels=3)
+    params["train"]["batch_per_proc"] = 4  # of 9 training images
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())
+    for name in ("check_params", "prepare"):  # as docs/DATA.md says to
+        stages["stages"][name]["deps"].append("data/raw/mine")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(stages, sort_keys=False))
+    run(repo, "dvc", "add", "-q", "data/raw/mine")
+    run(repo, "git", "add", "-A")
+    run(repo, "git", "commit", "-qm", "own images")
+    run(repo, "dvc", "repro", "prepare")
+    prepared = {p: p.read_bytes() for p in (repo / "data/prepared").iterdir()}
+
+    (repo / "data/raw/mine/d").mkdir()
+    shutil.copy(repo / "data/raw/mine/a/000.png", repo / "data/raw/mine/d/000.png")
+    proc = run(repo, "dvc", "repro", "prepare", check=False)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("Error: ")]
+    assert proc.returncode != 0 and ran_stages(proc.stdout) == {"check_params"}, proc.stdout + proc.stderr
+    assert len(errors) == 1 and "class 'd': has 1 image(s)" in errors[0], errors
+    assert {p: p.read_bytes() for p in (repo / "data/prepared").iterdir()} == prepared
+
+    shutil.copy(repo / "data/raw/mine/b/001.png", repo / "data/raw/mine/d/001.png")  # now a valid class
+    run(repo, "dvc", "repro", "prepare")
+    assert json.loads((repo / "data/prepared/manifest.json").read_text())["class_names"] == ["a", "b", "c", "d"]
+
+
 def test_lr_edit_reruns_train_and_downstream_only(repo):
     set_param(repo, "train", "lr", 1e-3)
     status = run(repo, "dvc", "status", "--json").stdout

@@ -173,8 +173,9 @@ def check_params(params_path: Path, out: Path, data_dir: Path) -> None:
     """Validate params.yaml, and the stages against each other; write every section resolved.
 
     \b
-    Reads:  the whole params file; DATA/manifest.json where it is there; where it was not made
-            from these params, data.root as prepare lists it (no image opened).
+    Reads:  the whole params file; DATA/manifest.json where it is there; data.root as prepare
+            lists it (no image opened; skipped where data.root is absent and DATA was prepared
+            from these params).
     Writes: OUT/<section>.yaml for each section whose resolved values changed.
     The pipeline's first stage: DVC runs it before any other stage removes its outputs, so
     whatever a later stage would refuse of these params alone is refused here (check_pipeline).
@@ -308,9 +309,9 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
 
 def _checkpoint_root(root: Path) -> Path:
     """--checkpoints as train uses it (before `writes` checks it): inside a DVC experiment's temporary
-    clone, a relative root is the project's (training/checkpoint.project_root_for)."""
+    clone, a relative root is the project's (files.project_root_for)."""
     from .runtime import distributed as D
-    from .training.checkpoint import project_root_for
+    from .files import project_root_for
 
     shared = project_root_for(root)
     if shared != root and not D.in_launch():  # said once, by the launcher

@@ -39,6 +39,32 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message says which file and what to do."""
 
 
+# Where DVC runs a queued (`dvc exp run --queue`, `dvc queue start`) or `--temp` experiment: a
+# temporary clone, <project>/.dvc/tmp/exps/<tmpdir>/ (queue) or .../exps/standalone/<tmpdir>/
+# (--temp), which it deletes when the experiment ends.
+DVC_TEMP_CLONES = (".dvc", "tmp", "exps")
+
+
+def project_root_for(root: Path, cwd: Path | None = None) -> Path:
+    """The checkpoint root to use for `root` (and check-params' way to tell it runs in such a
+    clone: the path changes). A relative one inside a DVC experiment's temporary clone is the project's own (the same subfolder of it, for a stage with a wdir): DVC deletes the
+    clone, failed or not, and the checkpoints a rerun would resume from went with it (a killed
+    queued run started again from step 0). Run directories are keyed by params, data and code, and
+    locked, so experiments share the root as runs in the workspace do."""
+    if root.is_absolute():
+        return root
+    parts = (cwd or Path.cwd()).parts
+    n = len(DVC_TEMP_CLONES)
+    for i in range(len(parts) - n):
+        if parts[i:i + n] != DVC_TEMP_CLONES:
+            continue
+        clones, below = Path(*parts[:i + n]), parts[i + n:]
+        for depth in range(1, len(below) + 1):  # the clone: the first directory down that is a DVC project
+            if (clones.joinpath(*below[:depth]) / ".dvc").is_dir():
+                return Path(*parts[:i], *below[depth:]) / root
+    return root
+
+
 def sha256(path: Path, chunk: int = 4 << 20) -> str:
     """sha256 of a file, read in 4 MiB blocks into one buffer (hashlib releases the GIL on each
     block, so threads hashing several files overlap)."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from ..files import atomic_write_text
+from ..files import atomic_write_text, project_root_for
 from ..model import phema, schedules
 from ..params import Params, ParamsError, load, snapshot_steps
 from ..training.noise_buckets import checked_layout
@@ -158,18 +158,26 @@ def check_batch_fits(params: Params, train_images: int, where) -> None:
 
 def check_data_source(params: Params, data_dir: Path | None) -> None:
     """The raw data as `prepare` lists it (`data.check_source`: data.root, an image folder's classes,
-    names and links, and its training images against the batch; no image decoded), where prepare will read it: no manifest in `data_dir` made
-    from these params. Run by the check_params stage, before DVC or Snakemake removes data/prepared
-    to run prepare; not on every params edit that leaves the data as prepared (listing a
-    million-file folder takes seconds), nor at each SLURM job's parse of the Snakefile."""
-    if prepared_manifest(params, data_dir) is not None:
+    names and links, and its training images against the batch; no image decoded). Run by the
+    check_params stage, before DVC or Snakemake removes data/prepared to run prepare, and at every
+    run of it: an edit of the folder alone (the folder a dependency of check_params and prepare,
+    docs/DATA.md) must be refused before prepare too, and listing costs little (a million files:
+    about 6 s, measured from outside). Not at each SLURM job's parse of the Snakefile.
+
+    Skipped where data.root is not there and `data_dir` holds data prepared from these params:
+    what train reads is there (a DVC experiment's temporary clone holds no DVC-tracked raw data)."""
+    root = Path(params.data.root).expanduser()
+    if not root.exists() and prepared_manifest(params, data_dir) is not None:
         return
     from ..data.prepared import check_source  # PIL and the readers: only where prepare will run
     from ..data.sources import DataError
     try:
         train_images = check_source(params.data)
     except DataError as e:
-        raise ParamsError(str(e)) from None
+        clone = project_root_for(Path(".")) != Path(".")
+        hint = (f"; DVC does not copy DVC-tracked data into an experiment's temporary clone (DVC issue 10744): "
+                f"queue it with `-C {params.data.root}`, or run it in the workspace") if clone and not root.exists() else ""
+        raise ParamsError(f"{e}{hint}") from None
     except OSError as e:  # a folder it may not list, say: one line, as prepare says it
         raise ParamsError(f"{os.fsdecode(e.filename or params.data.root)}: cannot be read ({e.strerror}); "
                           "check its permissions or fix data.root") from None

@@ -18,35 +18,10 @@ from pathlib import Path
 import torch
 
 from ..files import TEMP_FILE, CheckpointError, atomic_write_bytes, atomic_write_text, sha256
+from ..files import project_root_for  # noqa: F401  (the run's checkpoint root: files.py's, so check-params shares it)
 
 STEP_FILE = re.compile(r"^step_(\d{9})\.pt$")
 log = logging.getLogger(__name__)
-
-
-# Where DVC runs a queued (`dvc exp run --queue`, `dvc queue start`) or `--temp` experiment: a
-# temporary clone, <project>/.dvc/tmp/exps/<tmpdir>/ (queue) or .../exps/standalone/<tmpdir>/
-# (--temp), which it deletes when the experiment ends.
-DVC_TEMP_CLONES = (".dvc", "tmp", "exps")
-
-
-def project_root_for(root: Path, cwd: Path | None = None) -> Path:
-    """The checkpoint root to use for `root`. A relative one inside a DVC experiment's temporary
-    clone is the project's own (the same subfolder of it, for a stage with a wdir): DVC deletes the
-    clone, failed or not, and the checkpoints a rerun would resume from went with it (a killed
-    queued run started again from step 0). Run directories are keyed by params, data and code, and
-    locked, so experiments share the root as runs in the workspace do."""
-    if root.is_absolute():
-        return root
-    parts = (cwd or Path.cwd()).parts
-    n = len(DVC_TEMP_CLONES)
-    for i in range(len(parts) - n):
-        if parts[i:i + n] != DVC_TEMP_CLONES:
-            continue
-        clones, below = Path(*parts[:i + n]), parts[i + n:]
-        for depth in range(1, len(below) + 1):  # the clone: the first directory down that is a DVC project
-            if (clones.joinpath(*below[:depth]) / ".dvc").is_dir():
-                return Path(*parts[:i], *below[depth:]) / root
-    return root
 
 
 def save_checkpoint(state: dict, directory: Path, step: int, keep: int) -> Path:
