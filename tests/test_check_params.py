@@ -343,18 +343,38 @@ def test_batch_larger_than_an_image_folder_is_refused_before_prepare_runs(tmp_pa
     data = {"source": "image_folder", "root": str(raw), "test_fraction": 0.25, "image_size": 8}
     train_images = sum(prepare(from_dict({"data": data}).data, tmp_path / "elsewhere")["counts"]["train"])
     assert train_images == (26 if own_split else 4 + 7 + 9)
-    for nproc in (1, 2):
-        fits = train_images // nproc
-        check_data_source(from_dict({"data": data, "train": {"batch_per_proc": fits, "nproc": nproc}}), None)
+    for nproc, nodes in ((1, 1), (2, 1), (1, 2)):  # a rank's share: of every node's processes
+        fits = train_images // (nproc * nodes)
+        train = {"nproc": nproc, "nodes": nodes}
+        check_data_source(from_dict({"data": data, "train": {"batch_per_proc": fits, **train}}), None)
         with pytest.raises(ParamsError, match=rf"^train.batch_per_proc={fits + 1} is larger than this rank's {fits} "
                                               rf"training images \({raw}, as prepare will split it\); lower it$"):
-            check_data_source(from_dict({"data": data, "train": {"batch_per_proc": fits + 1, "nproc": nproc}}), None)
+            check_data_source(from_dict({"data": data, "train": {"batch_per_proc": fits + 1, **train}}), None)
     if not own_split:  # the command, as DVC runs it: one line, exit 2, nothing made
         proc = check(tmp_path, yaml.safe_dump({"data": data, "train": {"batch_per_proc": train_images + 1}}))
         assert proc.returncode == 2 and proc.stderr == (
             f"Error: params.yaml: train.batch_per_proc={train_images + 1} is larger than this rank's {train_images} "
             f"training images ({raw}, as prepare will split it); lower it\n"), proc.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_grad_norms_schedule_is_checked_on_every_nodes_processes():
+    """train.nodes multiplies the images a step, so the loss history fills sooner: a schedule that
+    steers on two nodes was refused by the one-node replay (found from outside: 140 steps, buckets
+    measured at step 100; one node fills at 161, two at 98)."""
+    from ddpmrepro.params import ParamsError
+    from ddpmrepro.pipeline.check_params import check_pipeline
+    from ddpmrepro.training.timestep_sampler import steering_step
+
+    base = {"train": {"steps": 140, "timestep_sampler": "grad-norm"},
+            "introspect": {"every": 100, "steps": [], "noise_levels_every": 100}}
+    for processes, fills in ((1, 161), (2, 98)):
+        assert steering_step(seed=0, timesteps=1000, global_batch=128 * processes, grad_accum=1, steps=400) == fills
+    with pytest.raises(ParamsError, match=r"is not full before the last step 140"):
+        check_pipeline(from_dict(base))
+    two_nodes = {**base, "train": {**base["train"], "nodes": 2}}
+    check_pipeline(from_dict(two_nodes))
+    check_pipeline(from_dict({**base, "train": {**base["train"], "nproc": 2}}))  # the same processes on one node
 
 
 def test_raw_data_missing_in_a_dvc_experiments_temporary_clone_says_how_to_bring_it(tmp_path, monkeypatch):

@@ -116,7 +116,28 @@ def test_cli_refuses_nnodes_without_node_rank_and_rdzv(tmp_path):
         assert result.exit_code == 2, result.output
         assert result.output.strip().splitlines()[-1] == (
             "Error: --nnodes 2 needs --node-rank K (0 to 1, a different one on each node) and --rdzv HOST:PORT "
-            "(node 0's address and a free port)")
+            "(node 0's address and a free port), or a SLURM allocation of 2 nodes")
+    (tmp_path / "params.yaml").write_text("train: {nodes: 3}\n")  # the params' node count, outside SLURM
+    result = CliRunner().invoke(main, ["train", "--params", str(tmp_path / "params.yaml")], env={"SLURM_JOB_ID": None})
+    assert result.exit_code == 2 and result.output.strip().splitlines()[-1] == (
+        "Error: train.nodes=3 needs --node-rank K (0 to 2, a different one on each node) and --rdzv HOST:PORT "
+        "(node 0's address and a free port), or a SLURM allocation of 3 nodes"), result.output
+
+
+def test_a_slurm_allocation_of_another_node_count_than_train_nodes_is_refused():
+    """train.nodes is what DVC sees; a run on the allocation's nodes instead would be recorded under
+    params that say otherwise (found from outside: `dvc repro` on one node handed back a two-node run)."""
+    alloc = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    launch.check_node_count(2, "once", alloc)
+    with pytest.raises(launch.LaunchError, match=r"^train.nodes=1, but this SLURM allocation has 2 node\(s\): set "
+                                                 r"train.nodes: 2 in params.yaml .*or ask SLURM for 1 node\(s\)$"):
+        launch.check_node_count(1, "once", alloc)
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NUM_NODES": "3"}
+    launch.check_node_count(3, "per-node", step)
+    with pytest.raises(launch.LaunchError, match=r"^train.nodes=2, but this srun step has 3 node\(s\)"):
+        launch.check_node_count(2, "per-node", step)
+    launch.check_node_count(1, "once", {"SLURM_JOB_ID": "7"})  # one node, as before
+    launch.check_node_count(1, "once", {})
 
 
 def test_first_slurm_host():

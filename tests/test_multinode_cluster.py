@@ -11,7 +11,7 @@ torchrun across the hosts over gloo/TCP, a temporary git + DVC repo on tiny para
 - two 2-node jobs on the same two nodes at once both finish, both bitwise equal (a port per job);
 - a node lost mid-run (its processes killed) fails the job with one `Error:` line, and the rerun
   resumes from the last checkpoint and ends bitwise equal;
-- docs/CLUSTER.md's Snakemake recipe for 2 nodes (`train:nodes=2 ... --set-threads train=1`),
+- docs/CLUSTER.md's Snakemake recipe for 2 nodes (`train.nodes: 2`, `--set-threads train=1`),
   typed on the controller host, runs one 2-node job and ends bitwise equal;
 - with accounting (`up 2 --accounting`: slurmdbd + MariaDB), the same recipe with the plugin's
   default `sacct` status check passes the Snakefile's check, ends bitwise equal, and `sacct`
@@ -19,8 +19,8 @@ torchrun across the hosts over gloo/TCP, a temporary git + DVC repo on tiny para
 - without SLURM, `ddpmrepro train --nnodes 2 --node-rank K --rdzv node1:PORT` on node1 and node2
   equals 1 node x 2 processes bitwise.
 
-The reference for all of them is one run of 1 node x 2 processes outside SLURM (torchrun gives
-each of them one thread). Skipped, with the reason, where the cluster is not up: it needs root,
+The repo's params say `train.nodes: 2`; the reference for all of them is one run of 1 node x 2
+processes outside SLURM (`--nproc 2 --nnodes 1`; torchrun gives each of them one thread). Skipped, with the reason, where the cluster is not up: it needs root,
 so the tests do not start it (`sudo scripts/local_cluster.sh up 2 --accounting`; .ci/run does).
 """
 from __future__ import annotations
@@ -48,7 +48,8 @@ SCRIPT = ROOT / "scripts" / "local_cluster.sh"
 BIN = str(Path(sys.executable).parent)
 SMALL_MODEL = {"channels": 16, "channel_mult": [1, 2], "num_res_blocks": 1, "attention_resolutions": [4],
                "num_head_channels": 16, "dropout": 0.0}
-TRAIN = {"steps": 12, "batch_per_proc": 8, "warmup_steps": 2, "checkpoint_every": 4, "log_every": 1, "nproc": 1}
+TRAIN = {"steps": 12, "batch_per_proc": 8, "warmup_steps": 2, "checkpoint_every": 4, "log_every": 1, "nproc": 1,
+         "nodes": 2}
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +137,8 @@ def reference(repo) -> Path:
     """1 node x 2 processes, outside SLURM: torchrun --standalone, one thread per process."""
     out = repo.parent / "ref"
     env = {**env_for(repo), "DDPMREPRO_CPU_SLOTS": "0"}  # torchrun's one thread per process, on any machine
-    subprocess.run(train_cmd(out, "--nproc", "2"), cwd=repo, env=env, check=True, capture_output=True, timeout=900)
+    subprocess.run(train_cmd(out, "--nproc", "2", "--nnodes", "1"), cwd=repo, env=env, check=True, capture_output=True,
+                   timeout=900)
     return out / "model"
 
 
@@ -221,9 +223,8 @@ def test_the_snakemake_profile_trains_on_two_nodes(repo, reference):
     2 nodes, one torchrun per node (the job step drops SLURM's node list; scontrol gives it back),
     one thread per process from the job's `threads`, bitwise equal."""
     proc = on("ctl", "snakemake", "train", "--workflow-profile", "profiles/slurm", "--default-resources",
-              "slurm_account=ddpmrepro", "slurm_partition=debug", "--set-resources", "train:nodes=2", "train:tasks=2",
-              "train:mpi=srun", "train:gpu=0", "train:tasks_per_gpu=0", "--set-threads", "train=1", repo=repo,
-              timeout=900)
+              "slurm_account=ddpmrepro", "slurm_partition=debug", "--set-threads", "train=1", repo=repo,
+              timeout=900)  # train.nodes: 2 in params.yaml: the Snakefile asks for the nodes
     out = proc.stdout + proc.stderr
     job = re.search(r"SLURM jobid (\d+) \(log: \S*/rule_train/", out).group(1)
     info = job_info(repo, job)
@@ -233,6 +234,43 @@ def test_the_snakemake_profile_trains_on_two_nodes(repo, reference):
     log = (repo / "logs/dvc/train.log").read_text()
     assert len(re.findall(r"^trained 12 steps", log, re.M)) == 1, log[-3000:]
     assert_bitwise_equal(repo / "models/ddpm", reference)
+
+
+def test_a_failed_two_node_job_keeps_the_git_tracked_outputs(repo, reference):
+    """On two nodes the job step plugin runs the job's Snakemake in the batch script (`mpi`), not
+    under srun, and no Snakemake of the job kept the backups of the git-tracked outputs that DVC
+    deletes before the stage runs: a failed job lost every dvclive curve (found from outside)."""
+    env = env_for(repo)
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout
+
+    recipe = ("snakemake", "train", "--workflow-profile", "profiles/slurm", "--default-resources",
+              "slurm_account=ddpmrepro", "slurm_partition=debug", "--set-threads", "train=1")
+    if not (repo / "reports/train/live/plots/metrics/loss.tsv").exists():  # run alone: train first
+        on("ctl", *recipe, repo=repo, timeout=900)
+    git("add", "-A")
+    git("commit", "-qm", "trained on two nodes")
+    tracked = {p: (repo / p).read_bytes() for p in git("ls-files", "reports/train/live").split()}
+    assert "reports/train/live/plots/metrics/loss.tsv" in tracked
+    # valid params (check_params passes) naming a damaged checkpoint: only the train job finds out
+    broken = repo / "models/published/broken.pt"
+    broken.write_bytes(b"not a checkpoint" * 64)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["import_from"] = "models/published/broken.pt"
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        proc = on("ctl", *recipe, "--retries", "0", repo=repo, check=False, timeout=900)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, out[-3000:]
+        assert "Error: models/published/broken.pt: " in (repo / "logs/dvc/train.log").read_text()
+        job = re.search(r"SLURM jobid (\d+) \(log: \S*/rule_train/", out).group(1)
+        assert job_info(repo, job)["NumNodes"] == "2"
+        assert {p: (repo / p).read_bytes() for p in tracked if (repo / p).exists()} == tracked, git("status", "--short")
+    finally:
+        broken.unlink()
+        git("checkout", "params.yaml", "dvc.lock", "reports/params")
+        subprocess.run(["dvc", "checkout", "-q", "train"], cwd=repo, env=env, check=True, capture_output=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +309,7 @@ def test_the_snakemake_profile_with_sacct_as_status_source(accounting, repo, ref
     (repo / "logs/dvc/train.log").unlink(missing_ok=True)
     try:
         proc = on("ctl", "snakemake", "train", "--workflow-profile", "profiles/slurm", "--slurm-status-command", "sacct",
-                  "--default-resources", "slurm_account=ddpmrepro", "slurm_partition=debug", "--set-resources",
-                  "train:nodes=2", "train:tasks=2", "train:mpi=srun", "train:gpu=0", "train:tasks_per_gpu=0",
+                  "--default-resources", "slurm_account=ddpmrepro", "slurm_partition=debug",
                   "--set-threads", "train=1", repo=repo, timeout=900)
     finally:
         params["train"]["checkpoint_every"] = TRAIN["checkpoint_every"]

@@ -175,20 +175,33 @@ def test_sample_asks_for_sample_nproc_gpus(repo):
     check_single_node_gpu(calls["sample"], expected("sample"), gpus=3)
 
 
-def test_multi_node_recipe_gives_one_task_per_node(repo):
-    calls = submit(repo, {"train.nproc": 4}, "--set-resources", *MULTI_NODE)
+@pytest.mark.parametrize("recipe", [[], MULTI_NODE])
+def test_train_nodes_gives_one_task_per_node(repo, recipe):
+    """train.nodes: 2 asks for what docs/CLUSTER.md's --set-resources recipe asked by hand (which,
+    agreeing with it, still gives the same request)."""
+    calls = submit(repo, {"train.nproc": 4, "train.nodes": 2}, *(["--set-resources", *recipe] if recipe else []))
     args = calls["train"]
     check_common(args, expected("train"))
     assert opt(args, "--nodes") == "2" and opt(args, "--ntasks") == "2" and opt(args, "--gres") == "gpu:4"
+    assert opt(args, "--cpus-per-gpu") == str(expected("train")["cpus_per_gpu"])
     assert opt(args, "--gpus") is None and opt(args, "--ntasks-per-gpu") is None
+
+
+def test_a_node_count_in_set_resources_other_than_train_nodes_is_refused_before_submission(repo):
+    """DVC compares params, not Snakemake's resources: a two-node run by `--set-resources
+    train:nodes=2` under train.nodes: 1 was recorded as the one-node run, and `dvc repro` on one
+    node then handed its weights back as up to date (found from outside)."""
+    out = submit(repo, {"train.nproc": 4}, "--set-resources", *MULTI_NODE, refused=True)
+    errors = [line for line in out.splitlines() if line.startswith("Error: ")]
+    assert errors == ["Error: --set-resources train:nodes=2 differs from train.nodes=1: the node count is part of the "
+                      "run, so it is set in params.yaml (train.nodes: 2); Snakemake then asks for the nodes itself"], out
 
 
 def test_multi_node_on_a_partition_without_gpus_counts_the_nodes(repo):
     """The recipe on CPU nodes (as on tests/test_multinode_cluster.py's cluster): each node runs
     train.nproc processes on the CPUs of its own task, and the notice says so per node."""
     output = []
-    calls = submit(repo, {"train.nproc": 2}, "--set-resources", "train:nodes=2", "train:tasks=2", "train:mpi=srun",
-                   "train:gpu=0", "train:tasks_per_gpu=0", "train:slurm_partition=cpu",
+    calls = submit(repo, {"train.nproc": 2, "train.nodes": 2}, "--set-resources", "train:slurm_partition=cpu",
                    output=output)
     args = calls["train"]
     assert opt(args, "--nodes") == "2" and opt(args, "--ntasks") == "2"

@@ -80,6 +80,31 @@ def test_device_cuda_keeps_the_gpu_request_and_is_refused_on_a_cpu_partition(clu
     assert "asks for 2 GPU(s) but partition 'cpu' has no GPUs; train.device is 'cuda'" in msg
 
 
+def test_a_gpu_request_typed_by_hand_on_a_cpu_partition_says_to_drop_it_not_to_set_device_auto(cluster):
+    """With train.device: auto the GPUs come from --set-resources (found from outside: the line said
+    `set train.device: auto`, which it already was)."""
+    msg = slurm.check("train", slurm.request({**TRAIN, "gpu": 0, "gres": "gpu:4"}, 1), "cpu", cluster)
+    assert msg.endswith("has no GPUs: choose a GPU partition (--default-resources slurm_partition=NAME) or drop the "
+                        "GPU request (--set-resources train:gres=..., gpu or gpus)"), msg
+
+
+@pytest.mark.parametrize("gpus", [0, 4])
+def test_train_nodes_spread_the_fitted_request_over_the_nodes_as_the_recipe_did(cluster, gpus):
+    """slurm.across_nodes gives what docs/CLUSTER.md's --set-resources recipe typed by hand: one task
+    (a torchrun) per node, the command in the batch script (mpi), GPUs per node as gres; the request
+    then checks against the partition per node, as the recipe's did."""
+    partition = "gpu" if gpus else "cpu"
+    threads, fitted = slurm.fit(2, {**TRAIN, "gpu": gpus or 2}, cluster.partition(partition))
+    assert slurm.across_nodes(fitted, 1) == fitted
+    spread = slurm.across_nodes(fitted, 2)
+    assert {k: spread[k] for k in ("nodes", "tasks", "mpi", "tasks_per_gpu", "gpu")} == \
+        {"nodes": 2, "tasks": 2, "mpi": "srun", "tasks_per_gpu": 0, "gpu": 0}
+    assert spread.get("gres") == (f"gpu:{gpus}" if gpus else None)
+    req = slurm.request(spread, threads)
+    assert (req.nodes, req.gpus) == (2, gpus)
+    assert slurm.check("train", req, partition, cluster) is None
+
+
 def test_threads_beyond_the_largest_node_are_scaled_down_like_local_cores(cluster):
     evaluate = {"runtime": 240, "mem_mb": 6000}
     assert slurm.fit(8, evaluate, cluster.partition("cpu"))[0] == 8

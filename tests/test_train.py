@@ -436,7 +436,7 @@ def test_other_code_version_never_touches_a_checkpoint_and_an_interrupted_one_is
 
 def test_a_run_on_two_nodes_is_its_own_run_not_resumed_or_handed_back_on_one(tmp_path, prepared):
     """train.nproc is per node; the node count multiplies the global batch (so the data order and every
-    draw), yet params cannot say it. Two "nodes" on this machine (`--nnodes 2`, a static rendezvous
+    draw), and `--nnodes` overrides train.nodes. Two "nodes" on this machine (`--nnodes 2`, a static rendezvous
     on localhost) then one node with the same params and directories: the one-node run does not
     hand back the finished two-node run (it trains its own, in its own checkpoint directory, the
     first one's files untouched), and each model's config.json says how many processes trained it.
@@ -469,6 +469,9 @@ def test_a_run_on_two_nodes_is_its_own_run_not_resumed_or_handed_back_on_one(tmp
     assert {f.name: f.read_bytes() for f in two_dir.iterdir() if f.is_file()} == two_files
     loaded = P.load(params)
     assert run_hash(loaded, "d", processes=1) == run_hash(loaded, "d") != run_hash(loaded, "d", processes=2)
+    # train.nodes: 2 is the same run as `--nnodes 2`: the hash counts the processes, not the key
+    two = P.load(write_params(tmp_path / "two.yaml", train={"batch_per_proc": 8, "nproc": 1, "steps": 4, "nodes": 2}))
+    assert run_hash(two, "d", processes=2) == run_hash(loaded, "d", processes=2)
 
 @pytest.mark.slow
 def test_fp16_overflow_step_is_skipped_and_lowers_the_scale(tmp_path, prepared, monkeypatch):

@@ -259,14 +259,14 @@ def fit_evaluator(params_path: Path, data_dir: Path, out: Path) -> None:
 @click.option("--restart", is_flag=True, help="Ignore existing checkpoints of this run and start from step 0.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=None,
               help="Under torchrun: restart all ranks this often after one fails; overrides train.max_restarts.")
-@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Nodes of a multi-node run without SLURM (run this on each; with --node-rank, --rdzv).")
+@click.option("--nnodes", type=click.IntRange(min=1), default=None,
+              help="Nodes; overrides train.nodes. Without SLURM, run this on each node with --node-rank, --rdzv.")
 @click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank, 0 to NNODES-1.")
 @click.option("--rdzv", default=None, metavar="HOST:PORT", help="Node 0's address and a free port on it.")
 @user_errors
 @writes(out=outputs.MODEL, live_dir=outputs.TRAIN_LOG, introspect_dir=outputs.INTROSPECTION, checkpoint_root="dir")
 def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspect_dir: Path,
-          checkpoint_root: Path, nproc: int | None, restart: bool, max_restarts: int | None, nnodes: int,
+          checkpoint_root: Path, nproc: int | None, restart: bool, max_restarts: int | None, nnodes: int | None,
           node_rank: int | None, rdzv: str | None) -> None:
     """Train the conditional UNet (torchrun DDP when nproc > 1).
 
@@ -290,9 +290,13 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
         click.echo(f"training skipped: imported {params.train.import_from} (sha256 "
                    f"{config['source']['sha256'][:12]}) -> {out}")
         return
-    if nnodes > 1 and not D.in_launch() and (node_rank is None or node_rank >= nnodes or not rdzv):
-        raise click.UsageError(f"--nnodes {nnodes} needs --node-rank K (0 to {nnodes - 1}, a different one on each "
-                               "node) and --rdzv HOST:PORT (node 0's address and a free port)")
+    given = f"--nnodes {nnodes}" if nnodes else f"train.nodes={params.train.nodes}"
+    nnodes = nnodes or params.train.nodes
+    if (nnodes > 1 and not D.in_launch() and not launch.in_slurm_job(os.environ)
+            and (node_rank is None or node_rank >= nnodes or not rdzv)):  # on SLURM, the allocation's nodes
+        raise click.UsageError(f"{given} needs --node-rank K (0 to {nnodes - 1}, a different one on each "
+                               "node) and --rdzv HOST:PORT (node 0's address and a free port), or a SLURM allocation "
+                               f"of {nnodes} nodes")
     code = launch.launch_train(params.train.device, nproc or params.train.nproc, sys.argv[1:], nnodes=nnodes,
                                node_rank=node_rank, rdzv=rdzv,
                                max_restarts=params.train.max_restarts if max_restarts is None else max_restarts)

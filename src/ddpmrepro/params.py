@@ -180,10 +180,14 @@ class TrainParams:
     seed: int = _f(0, min=0, doc="Initial weights, data order and every per-example draw derive from it.")
     steps: int = _f(1500, min=1, doc="Optimizer updates to run.")
     batch_per_proc: int = _f(128, min=1, doc="Images per process per microbatch; the global batch is "
-                                             "batch_per_proc x nproc x grad_accum.")
+                                             "batch_per_proc x nproc x nodes x grad_accum.")
     grad_accum: int = _f(1, min=1, doc="Microbatches accumulated per optimizer update.")
     nproc: int = _f(1, min=1, max=1024, doc="Processes per node (one per GPU); > 1 runs under torchrun. "
                                             "`ddpmrepro train --nproc` overrides it.")
+    nodes: int = _f(1, min=1, max=1024, doc="Nodes, one torchrun of nproc processes each: part of the run (the "
+                                            "global batch), so DVC sees it. On SLURM, Snakemake asks for this many "
+                                            "nodes; `ddpmrepro train` refuses an allocation of another size "
+                                            "(docs/CLUSTER.md). `--nnodes` overrides it.")
     device: str = _f("auto", choices=("auto", "cpu", "cuda"), doc="`auto`: CUDA when visible, else CPU.")
     precision: str = _f("fp32", choices=("fp32", "fp16", "bf16"), doc="fp16: autocast + GradScaler (overflow "
                                                                        "steps skipped and counted); bf16: autocast.")

@@ -79,13 +79,29 @@ def stage_inputs(st):
     return files + [str(STAMP_DIR / f"{st.rule}.stamp")]
 
 
+def executor_on_command_line():
+    """The --executor this Snakemake was started with (None: the local one). Read from its command
+    line: `workflow.executor_plugin` is set only after this file is parsed."""
+    for i, arg in enumerate(sys.argv):
+        if arg in ("--executor", "-e") and i + 1 < len(sys.argv):
+            return sys.argv[i + 1]
+        if arg.startswith("--executor="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def runs_jobs_here():
     """This Snakemake runs the jobs' shell commands: a local run, or on SLURM the one inside the
-    job step. Only it has the backups; the Snakemakes that submit and wait for a SLURM job would
-    find none to restore, and keep-incomplete (profiles/slurm) stops them deleting the outputs."""
+    job: under `srun` in a job step, or, for a multi-node job (`mpi`), started by the job step
+    plugin in the batch script itself (found from outside: that one was not counted, and a failed
+    two-node job lost every git-tracked curve). Only it has the backups; the Snakemakes that submit,
+    or run the job step plugin, would find none to restore, and keep-incomplete (profiles/slurm)
+    stops them deleting the outputs."""
     if workflow.is_main_process:
         return workflow.resource_settings.cores is not None  # None: a cluster executor submits
-    return "SLURM_STEP_ID" in os.environ
+    if "SLURM_STEP_ID" in os.environ:
+        return True
+    return "SLURM_JOB_ID" in os.environ and executor_on_command_line() not in ("slurm", "slurm-jobstep")
 
 
 def stage_outputs(st):

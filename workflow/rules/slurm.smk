@@ -41,6 +41,11 @@ def stage_device(st):
     return str((config.get(st.name) or {}).get("device", "auto"))  # train.device; other stages: auto
 
 
+def stage_nodes(st):
+    """train.nodes for the training (one torchrun of train.nproc processes per node); 1 elsewhere."""
+    return int((config.get("train") or {}).get("nodes", 1)) if st.name == "train" else 1
+
+
 @functools.cache
 def fitted(name):
     st = next(s for s in STAGES if s.name == name)
@@ -51,7 +56,8 @@ def fitted(name):
     cluster = slurm_cluster()
     if cluster is None or st.local:  # a local rule runs where Snakemake runs, never on a node
         return st.threads, resources
-    return slurm.fit(st.threads, resources, cluster.partition(slurm_partition(st.rule)), stage_device(st))
+    threads, resources = slurm.fit(st.threads, resources, cluster.partition(slurm_partition(st.rule)), stage_device(st))
+    return threads, slurm.across_nodes(resources, stage_nodes(st))
 
 
 def fitted_threads(st):
@@ -59,9 +65,12 @@ def fitted_threads(st):
 
 
 def fitted_resources(st):
-    """Callables, evaluated once the executor is known; cpus_per_task/cpus_per_gpu 0 mean unset."""
+    """Callables, evaluated once the executor is known; cpus_per_task/cpus_per_gpu 0 (gres "") mean unset."""
     keys = set(st.resources) | ({"cpus_per_task", "cpus_per_gpu"} if "gpu" in st.resources else set())
-    return {k: (lambda k: lambda wildcards, attempt: fitted(st.name)[1].get(k, 0))(k) for k in sorted(keys)}
+    if stage_nodes(st) > 1:
+        keys |= set(slurm.MULTI_NODE_KEYS)
+    unset = {"gres": ""}  # the plugin looks for "gpu" in it: a string
+    return {k: (lambda k: lambda wildcards, attempt: fitted(st.name)[1].get(k, unset.get(k, 0)))(k) for k in sorted(keys)}
 
 
 def check_slurm_jobs():
@@ -81,6 +90,14 @@ def check_slurm_jobs():
         if st is None or st.local:
             continue
         resources = {k: v for k, v in job.resources.items() if not k.startswith("_")}
+        override = workflow.resource_settings.overwrite_resources.get(st.rule) or {}
+        if "nodes" in override and int(resources.get("nodes") or 1) != stage_nodes(st):
+            # DVC compares params, not Snakemake's resources: the node count must be one (found from
+            # outside: a one-node run was handed a two-node run's weights as up to date).
+            problems.append(f"--set-resources {st.rule}:nodes={resources.get('nodes')} differs from train.nodes="
+                            f"{stage_nodes(st)}: the node count is part of the run, so it is set in params.yaml "
+                            f"(train.nodes: {resources.get('nodes')}); Snakemake then asks for the nodes itself")
+            continue
         req = slurm.request(resources, job.threads)
         problems.append(slurm.check(st.rule, req, resources.get("slurm_partition"), cluster, stage_device(st)))
         if st.resources.get("gpu") and fitted(st.name)[1].get("gpu") == 0 and not resources.get("gpu"):

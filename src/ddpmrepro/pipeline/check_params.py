@@ -129,7 +129,7 @@ def check_noise_buckets(params: Params) -> None:
     try:
         checked_layout(schedules.alphas_cumprod(params.diffusion.schedule, params.diffusion.timesteps),
                        buckets=ip.noise_buckets, edges=ip.noise_bucket_edges, space=ip.noise_bucket_space,
-                       batch_per_step=t.batch_per_proc * t.grad_accum * t.nproc)
+                       batch_per_step=t.batch_per_proc * t.grad_accum * t.nproc * t.nodes)
     except ValueError as e:
         raise ParamsError(str(e)) from None
 
@@ -150,7 +150,7 @@ def prepared_manifest(params: Params, data_dir: Path | None) -> dict | None:
 def check_batch_fits(params: Params, train_images: int, where) -> None:
     """A rank's batch must fit in its share of the training images (train refuses it otherwise)."""
     t = params.train
-    per_rank = train_images // t.nproc
+    per_rank = train_images // (t.nproc * t.nodes)
     if per_rank < t.batch_per_proc and not t.import_from:
         raise ParamsError(f"train.batch_per_proc={t.batch_per_proc} is larger than this rank's {per_rank} "
                           f"training images ({where}); lower it")
@@ -194,7 +194,7 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
     check_noise_buckets(params)
     if t.timestep_sampler == "grad-norm" and not passed_before(params, checked, ("diffusion", "train", "introspect")):
         from ..training.timestep_sampler import check_steers  # torch (a second): only for grad-norm
-        check_steers(params, processes=t.nproc)
+        check_steers(params, processes=t.nproc * t.nodes)  # every node's: the run's world size
     if s.ema_length:
         check_ema_length(s.ema_length, s.ema_step, t)
     elif s.ema_rate and not t.import_from and s.ema_rate not in t.ema_rates:

@@ -123,6 +123,23 @@ def fit(threads: int, resources: dict, nodes: list[Node], device: str = "auto") 
     return threads, fitted
 
 
+MULTI_NODE_KEYS = ("nodes", "tasks", "mpi", "gres", "tasks_per_gpu")
+
+
+def across_nodes(resources: dict, nodes: int) -> dict:
+    """A fitted request spread over `nodes` nodes (train.nodes), as docs/CLUSTER.md's recipe asks by
+    hand: one task (one torchrun) per node, the command run in the batch script (`mpi`, so that
+    `ddpmrepro train` starts srun itself), and the GPUs per node as `gres` (`--gpus` would be the
+    job's total). One node: unchanged."""
+    if nodes == 1:
+        return dict(resources)
+    out = dict(resources, nodes=nodes, tasks=nodes, mpi="srun", tasks_per_gpu=0)
+    gpus = int(out.get("gpu") or 0)
+    if gpus:
+        out.update(gres=f"gpu:{gpus}", gpu=0)
+    return out
+
+
 def request(resources: dict, threads: int) -> Request:
     """The per-node request sbatch gets for these resources (the plugin's rules: submit_string.py)."""
     r = resources
@@ -158,9 +175,13 @@ def check(stage: str, req: Request, partition: str | None, cluster: Cluster, dev
     if req.nodes > len(nodes):
         return f"stage '{stage}' asks for {req.nodes} nodes but partition '{name}' has {len(nodes)}; {fix}"
     if req.gpus and not any(n.gpus for n in nodes):
+        if device == "cuda":
+            fix_gpus = f"set {stage}.device: auto"
+        else:  # the GPUs come from --set-resources (found from outside: it said device: auto, which it was)
+            fix_gpus = f"drop the GPU request (--set-resources {stage}:gres=..., gpu or gpus)"
         why = f"; {stage}.device is 'cuda'" if device == "cuda" else ""
         return (f"stage '{stage}' asks for {req.gpus} GPU(s) but partition '{name}' has no GPUs{why}: "
-                f"choose a GPU partition (--default-resources slurm_partition=NAME) or set {stage}.device: auto")
+                f"choose a GPU partition (--default-resources slurm_partition=NAME) or {fix_gpus}")
     wants = [("GPUs", req.gpus, "gpu", lambda n: n.gpus)]
     if req.nodes == 1:
         wants += [("CPUs", req.cpus, req.cpus_from, lambda n: n.cpus),

@@ -37,7 +37,8 @@ def launch_train(device: str, nproc: int, argv: list[str], *, max_restarts: int 
     :param nproc: processes (GPUs) per node.
     :param argv: this process's CLI arguments (`sys.argv[1:]`); the workers get them without the
         launcher's own options (`worker_args`).
-    :param nnodes, node_rank, rdzv: a multi-node run without SLURM (checked by the caller).
+    :param nnodes: the nodes the run is on (train.nodes); on SLURM the allocation must have as many.
+    :param node_rank, rdzv: a multi-node run without SLURM (checked by the caller).
     :raises LaunchError: a launch that cannot work as started (one line).
     """
     from .distributed import in_launch
@@ -45,13 +46,14 @@ def launch_train(device: str, nproc: int, argv: list[str], *, max_restarts: int 
     if in_launch():
         return None
     args = worker_args(argv)
-    if nnodes > 1:  # several nodes without SLURM: this node's torchrun
+    if nnodes > 1 and rdzv is not None:  # several nodes without SLURM: this node's torchrun
         cmd = static_torchrun_command(nproc, args, nnodes, node_rank, rdzv, max_restarts=max_restarts)
         if check_devices(device, nproc, claim=False):
             os.environ["OMP_NUM_THREADS"] = str(node_threads(dict(os.environ), nproc))
         return run_launcher(cmd)
     os.environ.update(slurm_allocation(os.environ))  # Snakemake's SLURM job step drops the node list
     role = srun_role(dict(os.environ))  # raises when srun started one copy per GPU
+    check_node_count(nnodes, role, dict(os.environ))
     multinode = role == "per-node" or slurm_nodes() > 1
     # On several nodes SLURM hands out the nodes: no machine-wide slots to claim on this one.
     on_cpu = check_devices(device, nproc, claim=not multinode)
@@ -107,8 +109,30 @@ def check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: b
     return False
 
 
-def slurm_nodes() -> int:
-    return int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
+def slurm_nodes(env=None) -> int:
+    env = os.environ if env is None else env
+    return int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+
+
+def in_slurm_job(env) -> bool:
+    return "SLURM_JOB_ID" in env
+
+
+def check_node_count(nodes: int, role: str, env: dict) -> None:
+    """A run is on the nodes train.nodes names, not on whatever the allocation has: the node count
+    is part of the run (the global batch), and DVC, which compares params, must see it (found from
+    outside: a one-node `dvc repro` handed back a two-node run's weights as up to date)."""
+    if role == "per-node":
+        have, what = int(env.get("SLURM_STEP_NUM_NODES", "1")), "srun step"
+    else:
+        have, what = slurm_nodes(env), "SLURM allocation"
+    if have != nodes and (in_slurm_job(env) or role == "per-node"):
+        raise LaunchError(f"train.nodes={nodes}, but this {what} has {have} node(s): set train.nodes: {have} in "
+                          f"params.yaml (the node count is part of the run, which DVC must see), or ask SLURM for "
+                          f"{nodes} node(s)")
+    if have != nodes:  # outside SLURM: only the static rendezvous (--node-rank, --rdzv) runs on several
+        raise LaunchError(f"train.nodes={nodes} runs on {nodes} nodes: in a SLURM allocation of {nodes} nodes, or "
+                          "with `ddpmrepro train --node-rank K --rdzv HOST:PORT` on each node (docs/CLUSTER.md)")
 
 
 LAUNCHER_OPTIONS = ("--nproc", "--max-restarts", "--nnodes", "--node-rank", "--rdzv")

@@ -89,8 +89,10 @@ def run_hash(params: Params, data_digest: str, processes: int | None = None) -> 
     import hashlib
 
     d = params.to_dict()
+    # train.nodes enters as `processes`, the world size a run really has (a one-node hash is as before).
     train = {k: v for k, v in d["train"].items()
-             if k not in OPERATIONAL_TRAIN_KEYS and (k not in HASHED_ONLY_WHEN_ON or v != HASHED_ONLY_WHEN_ON[k])}
+             if k not in OPERATIONAL_TRAIN_KEYS and k != "nodes"
+             and (k not in HASHED_ONLY_WHEN_ON or v != HASHED_ONLY_WHEN_ON[k])}
     # The snapshots' dtype changes the run directory's files (not the weights): a run resumed or
     # re-exported with another would mix them. fp32 is what runs before the option wrote.
     if train["posthoc_ema_dtype"] == "fp32" or not train["posthoc_ema"]:

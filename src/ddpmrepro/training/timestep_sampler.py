@@ -262,7 +262,7 @@ def check_steers(params, processes: int) -> None:
     """`grad-norm` draws uniformly until its loss history is full and every bucket has been measured
     after that: a run whose buckets are measured only before then, or only on its last step, would
     draw uniformly all run under grad-norm's name. Refused (one ParamsError line) by check-params
-    (`processes`: train.nproc, one node's) and by train before it writes anything (its world size:
+    (`processes`: train.nproc x train.nodes) and by train before it writes anything (its world size:
     other nodes draw other t). When the history fills is known before the run: `steering_step`.
     Nothing to check for the other samplers, or without buckets (params.py refuses grad-norm then)."""
     t, ip = params.train, params.introspect
