@@ -400,7 +400,8 @@ def test_the_snapshot_dtype_enters_the_run_hash_unless_it_is_fp32_or_nothing_is_
 
     d = P.from_dict({"train": {"posthoc_ema_dtype": "fp32"}}).to_dict()
     train = {k: v for k, v in d["train"].items() if k not in (*OPERATIONAL_TRAIN_KEYS, "compile", "cuda_graphs",
-                                                                        "channels_last", "hflip", "posthoc_ema_dtype")}
+                                                                        "channels_last", "hflip", "posthoc_ema_dtype",
+                                                                        "nodes")}  # nodes: hashed as processes
     model = {k: v for k, v in d["model"].items() if k != "grad_checkpoint"}
     blob = json.dumps({"data": "data", "model": model, "diffusion": d["diffusion"], "train": train,
                        "introspect": d["introspect"]}, sort_keys=True)

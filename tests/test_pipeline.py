@@ -402,7 +402,8 @@ def test_a_stage_that_fails_under_snakemake_says_why_on_its_output(repo):
             Image.new("L", (8, 8), 40 * i).save(raw / name / f"{i}.png")
     blob = (raw / "b" / "2.png").read_bytes()
     (raw / "b" / "2.png").write_bytes(blob[: len(blob) // 2])
-    params = deep_update(yaml.safe_load(original), {"data": {"source": "image_folder", "root": "data/raw/damaged"}})
+    params = deep_update(yaml.safe_load(original), {"data": {"source": "image_folder", "root": "data/raw/damaged"},
+                                                    "train": {"batch_per_proc": 4}})  # of 4 training images
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     try:
         proc = run(repo, "snakemake", "--cores", "1", "prepare", check=False)
