@@ -45,6 +45,13 @@ onstart:
     check_slurm_jobs()
 
 
+# On SLURM a failed job shows here only as "SLURM status is: 'FAILED'" and its log's path (found
+# from outside): say the stage's own one-line error too, from its log. (Locally dvc_stage.sh's
+# stderr already says it.)
+onerror:
+    say_slurm_job_errors()
+
+
 # `rule all` lives here: a default target set inside an included file is dropped.
 rule all:
     default_target: True

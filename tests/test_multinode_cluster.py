@@ -264,6 +264,9 @@ def test_a_failed_two_node_job_keeps_the_git_tracked_outputs(repo, reference):
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0, out[-3000:]
         assert "Error: models/published/broken.pt: " in (repo / "logs/dvc/train.log").read_text()
+        # and Snakemake says it too, not only "SLURM status is: 'FAILED'" (found from outside)
+        said = [line for line in out.splitlines() if line.startswith("Error: models/published/broken.pt: ")]
+        assert len(said) == 1 and said[0].endswith("(job train: logs/dvc/train.log)"), out[-3000:]
         job = re.search(r"SLURM jobid (\d+) \(log: \S*/rule_train/", out).group(1)
         assert job_info(repo, job)["NumNodes"] == "2"
         assert {p: (repo / p).read_bytes() for p in tracked if (repo / p).exists()} == tracked, git("status", "--short")

@@ -9,6 +9,8 @@
 import functools
 import os
 import sys
+import time
+from pathlib import Path
 
 from ddpmrepro.pipeline import slurm
 
@@ -71,6 +73,25 @@ def fitted_resources(st):
         keys |= set(slurm.MULTI_NODE_KEYS)
     unset = {"gres": ""}  # the plugin looks for "gpu" in it: a string
     return {k: (lambda k: lambda wildcards, attempt: fitted(st.name)[1].get(k, unset.get(k, 0)))(k) for k in sorted(keys)}
+
+
+RUN_STARTED = time.time()
+
+
+def say_slurm_job_errors():
+    """The first `Error:` line of each stage log a SLURM job wrote during this run, on stderr."""
+    plugin = workflow.executor_plugin
+    if plugin is None or plugin.name != "slurm":
+        return
+    for st in STAGES:
+        if st.local:  # run here: dvc_stage.sh said it on this Snakemake's stderr already
+            continue
+        log = Path(f"logs/dvc/{st.rule}.log")
+        if not log.is_file() or log.stat().st_mtime < RUN_STARTED:
+            continue
+        errors = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("Error: ")]
+        if errors:
+            print(f"{errors[0]}   (job {st.rule}: {log})", file=sys.stderr)
 
 
 def check_slurm_jobs():
