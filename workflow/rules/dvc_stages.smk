@@ -104,6 +104,10 @@ def runs_jobs_here():
     return "SLURM_JOB_ID" in os.environ and executor_on_command_line() not in ("slurm", "slurm-jobstep")
 
 
+def stage_log(st):
+    return f"logs/dvc/{st.rule}.log"  # dvc repro's output for the stage (workflow/scripts/dvc_stage.sh)
+
+
 def stage_outputs(st):
     outs = []
     for o in st.outs:
@@ -140,7 +144,7 @@ for st in STAGES:
         resources:
             **fitted_resources(st),
         log:
-            f"logs/dvc/{st.rule}.log",
+            stage_log(st),
         shell:
             # dvc --wait-for-lock repro --single-item STAGE > LOG; on SLURM it also waits through
             # SIGTERM for a training to checkpoint and requeues the job to resume

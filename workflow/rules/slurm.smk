@@ -86,7 +86,7 @@ def say_slurm_job_errors():
     for st in STAGES:
         if st.local:  # run here: dvc_stage.sh said it on this Snakemake's stderr already
             continue
-        log = Path(f"logs/dvc/{st.rule}.log")
+        log = Path(stage_log(st))
         if not log.is_file() or log.stat().st_mtime < RUN_STARTED:
             continue
         errors = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("Error: ")]
@@ -112,7 +112,7 @@ def check_slurm_jobs():
             continue
         resources = {k: v for k, v in job.resources.items() if not k.startswith("_")}
         override = workflow.resource_settings.overwrite_resources.get(st.rule) or {}
-        if "nodes" in override and int(resources.get("nodes") or 1) != stage_nodes(st):
+        if st.name == "train" and "nodes" in override and int(resources.get("nodes") or 1) != stage_nodes(st):
             # DVC compares params, not Snakemake's resources: the node count must be one (found from
             # outside: a one-node run was handed a two-node run's weights as up to date).
             problems.append(f"--set-resources {st.rule}:nodes={resources.get('nodes')} differs from train.nodes="

@@ -174,10 +174,11 @@ def check_data_source(params: Params, data_dir: Path | None) -> None:
     try:
         train_images = check_source(params.data)
     except DataError as e:
-        clone = project_root_for(Path(".")) != Path(".")
-        hint = (f"; DVC does not copy DVC-tracked data into an experiment's temporary clone (DVC issue 10744): "
-                f"queue it with `-C {params.data.root}`, or run it in the workspace") if clone and not root.exists() else ""
-        raise ParamsError(f"{e}{hint}") from None
+        msg, in_dvc_clone = str(e), project_root_for(Path(".")) != Path(".")
+        if in_dvc_clone and not root.exists():
+            msg += (f"; DVC does not copy DVC-tracked data into an experiment's temporary clone (DVC issue 10744): "
+                    f"queue it with `-C {params.data.root}`, or run it in the workspace")
+        raise ParamsError(msg) from None
     except OSError as e:  # a folder it may not list, say: one line, as prepare says it
         raise ParamsError(f"{os.fsdecode(e.filename or params.data.root)}: cannot be read ({e.strerror}); "
                           "check its permissions or fix data.root") from None
