@@ -9,9 +9,10 @@ repo on tiny params. What a user types: `snakemake --workflow-profile profiles/s
 - a job that fails leaves the git-tracked outputs as they were;
 - requests no node can run, and sacct as the status source without accounting, stop the run
   at once, naming the stage and the resource;
-- a training stopped by `scancel --signal=TERM`, then by `--signal=TERM@120` before its time
-  limit, checkpoints, requeues itself each time (same job: Restarts=2, COMPLETED) and ends
-  bitwise equal to an uninterrupted run;
+- a training stopped by `scancel --signal=TERM` while it starts (before its handler exists), then
+  by `scancel --signal=TERM` and by `--signal=TERM@120` before its time limit, checkpoints,
+  requeues itself each time (same job: Restarts=3, COMPLETED) and ends bitwise equal to an
+  uninterrupted run;
 - `ddpmrepro train` with train.nproc 2 in an sbatch allocation runs torchrun and equals the
   same run outside SLURM bitwise.
 
@@ -302,6 +303,51 @@ def stop_with(repo: Path, job: str, send_term, restarts: int, after: str) -> str
             wait_for(lambda: term_delivered(pid), "SLURM's SIGTERM", timeout=300)
         except AssertionError as e:  # with what the process tree and SLURM looked like
             raise AssertionError(f"{e}\n{signal_diagnosis(pid, job, log)}") from None
+    return requeued(repo, job, restarts)
+
+
+def stage_shell(pid: int) -> int:
+    """The dvc_stage.sh shell above a process."""
+    p = pid
+    while p > 1:
+        if b"dvc_stage.sh" in Path(f"/proc/{p}/cmdline").read_bytes():
+            return p
+        p = int(re.search(r"^PPid:\s*(\d+)", Path(f"/proc/{p}/status").read_text(), re.M).group(1))
+    raise AssertionError(f"no dvc_stage.sh above pid {pid}")
+
+
+def sigterm_disposition(pid: int) -> str:
+    """'ignored', 'caught' (a handler) or 'default', from /proc (SIGTERM is bit 15 of the masks)."""
+    masks = dict(re.findall(r"^(SigIgn|SigCgt):\s*([0-9a-f]+)", Path(f"/proc/{pid}/status").read_text(), re.M))
+    return next((what for what, key in (("ignored", "SigIgn"), ("caught", "SigCgt")) if int(masks[key], 16) >> 14 & 1),
+                "default")
+
+
+def stop_while_starting(repo: Path, job: str) -> str:
+    """Freezes the training process as soon as it exists (Python still starting: SIGTERM is ignored,
+    as dvc_stage.sh passes it on, and the training's handler is not there yet) and the stage's shell,
+    has SLURM send SIGTERM, lets the shell take it, and the training go on once the shell has left
+    the stop file. Until that file, such a signal was lost: the training ran on to SLURM's SIGKILL.
+    Returns the log of the part that was stopped."""
+    pid = wait_for(lambda: find_training(repo), f"the training process of SLURM job {job}")
+    shell = stage_shell(pid)
+    with frozen([pid, shell]):
+        assert sigterm_disposition(pid) == "ignored", "the training had its SIGTERM handler: the test came too late"
+        subprocess.run(["scancel", "--signal=TERM", job], check=True)
+        try:
+            wait_for(lambda: term_delivered(shell), "SLURM's SIGTERM to the stage's shell", timeout=300)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{signal_diagnosis(shell, job, repo / 'logs/dvc/train.log')}") from None
+        environ = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
+        stop_file = Path(environ[b"DDPMREPRO_STOP_FILE"].decode())
+        os.kill(shell, signal.SIGCONT)  # it takes the signal: the file, then the training
+        wait_for(stop_file.exists, f"the stop file {stop_file}", timeout=60)
+    return requeued(repo, job, 1)
+
+
+def requeued(repo: Path, job: str, restarts: int) -> str:
+    """Waits until the stopped job has requeued itself (its `restarts`-th time) and lets it start
+    again; returns the log of the part that was stopped."""
     wait_for(lambda: job_info(job)["Restarts"] == str(restarts), f"restart {restarts} of job {job}")
     part = (repo / f"logs/dvc/train.slurm-{job}-{restarts - 1}.log").read_text()
     assert f"requeueing SLURM job {job}" in part, part[-2000:]
@@ -369,15 +415,17 @@ def test_training_stopped_by_scancel_and_by_its_time_limit_requeues_and_resumes_
     job = None
     try:
         job = wait_for(lambda: submitted(out_path.read_text()).get("train"), "the train job")
+        # 0. SIGTERM while the training starts (dvc, Python and torch loading), before its handler
+        starting = stop_while_starting(repo, job)
         # 1. scancel --signal=TERM, as a user or a preemption would
-        first = stop_with(repo, job, lambda: subprocess.run(["scancel", "--signal=TERM", job], check=True), 1,
-                          after="Running stage 'train'")
+        first = stop_with(repo, job, lambda: subprocess.run(["scancel", "--signal=TERM", job], check=True), 2,
+                          after="resuming from")
 
         # 2. the time limit, brought forward so that TERM@120 is due at SLURM's next checks
         def time_limit_near():
             elapsed = seconds(job_info(job)["RunTime"])
             subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={-(-(elapsed + 121) // 60)}"], check=True)
-        second = stop_with(repo, job, time_limit_near, 2, after="resuming from")
+        second = stop_with(repo, job, time_limit_near, 3, after="resuming from")
         subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=30"], check=True)
         assert proc.wait(timeout=1800) == 0, out_path.read_text()[-3000:]
     finally:
@@ -393,11 +441,13 @@ def test_training_stopped_by_scancel_and_by_its_time_limit_requeues_and_resumes_
     assert re.findall(r"SLURM jobid (\d+)", output) == [job], [l for l in output.splitlines() if "fail" in l.lower()]
     assert "slurm_extra=--signal=TERM@120" in output
     info = job_info(job)
-    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "2", "0:0"), info
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "3", "0:0"), info
     # Each signal stopped the training between two steps, where it saved (checkpoint_every is
-    # 1000), and the next part resumed from there.
+    # 1000), and the next part resumed from there; the one that came while it started, after its first step.
+    assert "SIGTERM came while the training was starting: saving a checkpoint at the end of the first step" in starting
     last = (repo / "logs/dvc/train.log").read_text()
-    assert 0 < stopped_at(first) == resumed_from(second) < stopped_at(second) == resumed_from(last) < STOPPED["steps"]
+    assert (stopped_at(starting) == 1 == resumed_from(first) < stopped_at(first) == resumed_from(second)
+            < stopped_at(second) == resumed_from(last) < STOPPED["steps"])
     assert f"trained {STOPPED['steps']} steps" in last
     assert_bitwise_equal(repo / "models/ddpm", uninterrupted)
     assert "Data and pipelines are up to date" in run(repo, "dvc", "status", "train").stdout

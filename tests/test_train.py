@@ -807,6 +807,39 @@ def test_sigterm_saves_at_the_step_boundary_and_a_rerun_resumes_to_the_same_bits
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
+def test_a_sigterm_that_came_while_starting_stops_the_run_and_the_rerun_resumes_to_the_same_bits(
+        tmp_path, prepared, straight_runs, nproc):
+    # Under SLURM, dvc_stage.sh runs the stage with SIGTERM ignored (dvc and the launcher must wait
+    # for the training to save) and catches it itself, into $DDPMREPRO_STOP_FILE: a SIGTERM before
+    # the training's handler exists was lost, and the training ran on to SLURM's SIGKILL. Here the
+    # shell has caught one already. One process stops after its first step, saving; the launcher
+    # of two stops before starting torchrun (nothing has run).
+    import re
+    import signal
+
+    params = write_params(tmp_path / "p.yaml", train={"checkpoint_every": 100, **BY_NPROC[nproc]})
+    run = tmp_path / "run"
+    (tmp_path / "stop").touch()
+    proc = subprocess.run(train_cmd(run, prepared, params, nproc), env={**env(), "DDPMREPRO_STOP_FILE": str(tmp_path / "stop")},
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))  # as dvc_stage.sh leaves it
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr[-3000:]
+    if nproc == 1:
+        assert "SIGTERM came while the training was starting: saving a checkpoint at the end of the first step" in proc.stderr
+        assert re.search(r"^stopped at step 1/8; checkpoint saved in ", proc.stderr, re.M), proc.stderr[-3000:]
+        assert [int(s) for s in checkpoints(run)] == [1]
+    else:
+        assert ("SIGTERM came while ddpmrepro was starting: stopped before its workers started. Rerun the same "
+                "command (or `dvc repro`) to resume.") in proc.stderr
+        assert not list(run.glob("ckpt/**/step_*")) and "step 1/" not in proc.stderr
+    assert not (run / "model").exists()
+    run_train(run, prepared, params, nproc)  # the requeued job: no stop file
+    assert_same(final_state(straight_runs(nproc)), final_state(run), exact=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_a_second_ctrl_c_exits_at_once_and_leaves_every_checkpoint_whole(tmp_path, prepared, straight_runs, nproc):
     import signal
 

@@ -8,9 +8,15 @@
 # answers by saving a checkpoint at the end of the current step and exiting 130 ("stopped,
 # rerun to resume"), but the processes between Snakemake and the training (this shell, dvc,
 # the torchrun launcher) would die at once, the job step would end, and SLURM would kill the
-# training while it writes its checkpoint. So SIGTERM is ignored here, and by dvc and the
-# stage's processes (inherited; ddpmrepro train installs its own handler), and all of them
-# wait for the training; a stage without a handler runs on until SLURM's SIGKILL (KillWait later).
+# training while it writes its checkpoint. So SIGTERM is ignored by dvc and the stage's
+# processes (inherited; ddpmrepro train installs its own handler), and all of them wait for the
+# training; a stage without a handler runs on until SLURM's SIGKILL (KillWait later).
+#
+# A SIGTERM that comes before the training has installed its handler (while dvc starts and
+# hashes the dependencies, while Python imports torch, loads data and a checkpoint: seconds to
+# minutes) would be ignored there and lost: the training would run on to SLURM's SIGKILL. This
+# shell catches it instead and leaves a file, $DDPMREPRO_STOP_FILE (exported to the stage), and
+# the training looks for it once its handler is in place: it stops as if signalled then.
 #
 # When the stage stopped to resume (exit 130) while the job is still RUNNING (a signal, not a
 # cancel or a time limit already reached) and may be requeued (`--requeue`, profiles/slurm),
@@ -36,9 +42,22 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
   exit $rc
 fi
 
-trap '' TERM
-dvc --wait-for-lock repro --single-item "$stage" > "$log" 2>&1
-rc=$?
+stop_dir=$(mktemp -d "${TMPDIR:-/tmp}/ddpmrepro-stop.XXXXXX") || exit 1
+export DDPMREPRO_STOP_FILE=$stop_dir/stop
+trap 'rm -rf "$stop_dir"' EXIT
+trap ': > "$DDPMREPRO_STOP_FILE"' TERM # a builtin: the file is there within microseconds
+# dvc ignores SIGTERM from its first instruction (the subshell sets it before the exec).
+( trap '' TERM; exec dvc --wait-for-lock repro --single-item "$stage" ) > "$log" 2>&1 &
+dvc_pid=$!
+while :; do
+  wait "$dvc_pid"
+  rc=$?
+  [ $rc -gt 128 ] || break                 # dvc's own status
+  kill -0 "$dvc_pid" 2>/dev/null && continue # the trap ran (wait returns then): dvc runs on
+  wait "$dvc_pid"                           # it ended: its own status (bash kept it)
+  rc=$?
+  break
+done
 if [ $rc -ne 0 ] && grep -qE "exited with 130$" "$log"; then
   job=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null)
   if [[ " $job " == *" JobState=RUNNING "* && " $job " == *" Requeue=1 "* ]]; then
@@ -49,6 +68,7 @@ if [ $rc -ne 0 ] && grep -qE "exited with 130$" "$log"; then
     cp "$log" "${log%.log}.slurm-$SLURM_JOB_ID-$part.log"
     if scontrol requeue "$SLURM_JOB_ID"; then
       trap - TERM
+      rm -rf "$stop_dir" # SIGKILL ends this shell: no EXIT trap
       sleep 3600 # SLURM ends this job now; nothing here may report a failure first
     fi
   fi

@@ -345,9 +345,12 @@ def run_launcher(cmd: list[str], *, srun: bool = False) -> int:
       alone is relayed to it once, and its workers save a checkpoint and exit (130). A second Ctrl-C
       is relayed too and ends everything at once ("Aborted!"). srun stays in our process group:
       Ctrl-C reaches it from the terminal, so only SIGTERM/SIGHUP are relayed.
+    - A SIGTERM that came while this process started, ignored then (under SLURM's dvc_stage.sh:
+      runtime/stop_file.py), returns 130 ("stopped, rerun to resume") before anything is started.
     """
     from .gpu_slots import held_fds
     from .torchrun import parent_death_signal
+    from . import stop_file
 
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])  # src/, above the package
@@ -370,6 +373,10 @@ def run_launcher(cmd: list[str], *, srun: bool = False) -> int:
             os.kill(proc.pid, relay[signum])
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
+        if stop_file.signalled_before():  # a SIGTERM while this process started: nothing has run yet
+            print("SIGTERM came while ddpmrepro was starting: stopped before its workers started. "
+                  "Rerun the same command (or `dvc repro`) to resume.", file=sys.stderr)
+            return 130
         proc = subprocess.Popen(cmd, env=env, pass_fds=held_fds(), preexec_fn=die_with_launcher,
                                 start_new_session=not srun)
         if received:  # a signal came while it started

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import files, outputs, tables
 from ..data import load_prepared
+from ..runtime import stop_file
 from ..model.diffusion import from_params as diffusion_from_params
 from ..model.superres import build_superres
 from ..model.unet import build_unet
@@ -137,7 +138,8 @@ def resolve_device(requested: str) -> torch.device:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM ask for a checkpoint at the next step boundary; a second SIGINT exits at once."""
+    """SIGINT/SIGTERM ask for a checkpoint at the next step boundary; a second SIGINT exits at once.
+    A SIGTERM that came under SLURM before the handler was installed (runtime/stop_file.py) asks too."""
 
     def __init__(self):
         self.requested = False
@@ -146,6 +148,10 @@ class StopRequest:
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old[sig] = signal.signal(sig, self._handle)
+        if stop_file.signalled_before():  # looked for once the handler is in place: no signal falls between
+            self.requested = True
+            print("SIGTERM came while the training was starting: saving a checkpoint at the end of the first step",
+                  file=sys.stderr, flush=True)
         return self
 
     def _handle(self, signum, frame):
