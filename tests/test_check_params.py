@@ -358,6 +358,36 @@ def test_batch_larger_than_an_image_folder_is_refused_before_prepare_runs(tmp_pa
     assert not (tmp_path / "data").exists()
 
 
+def test_an_image_folder_that_changed_since_prepare_is_counted_from_its_listing_not_the_old_manifest(tmp_path):
+    """The folder grew, and the batch was raised to what it now holds, in one edit: the manifest of
+    data/prepared (from the same `data:` params, of the folder as it was) refused it, though prepare
+    reruns first (the folder is its dependency, docs/DATA.md). The listing counts; the manifest only
+    where the folder is not there (a DVC experiment's temporary clone: what train reads is that data)."""
+    import shutil
+
+    from fake_datasets import fake_image_folder
+
+    from ddpmrepro.data.prepared import prepare
+
+    raw = tmp_path / "raw"
+    fake_image_folder(raw, classes=("cat", "dog"), per_class=4, seed=0)
+    data = {"source": "image_folder", "root": str(raw), "test_fraction": 0.25, "image_size": 8}
+    assert sum(prepare(from_dict({"data": data}).data, tmp_path / "data/prepared")["counts"]["train"]) == 6
+    fake_image_folder(raw, classes=("cat", "dog"), per_class=8, seed=1)  # grown: 6 training images a class
+    proc = check(tmp_path, yaml.safe_dump({"data": data, "train": {"batch_per_proc": 12}}))
+    assert proc.returncode == 0, proc.stderr
+    assert check(tmp_path, yaml.safe_dump({"data": data, "train": {"batch_per_proc": 13}})).returncode == 2
+    for f in raw.glob("*/*"):  # shrunk to 2 a class, 1 for training: the old manifest's 6 would pass
+        if f.stem >= "002":
+            f.unlink()
+    proc = check(tmp_path, yaml.safe_dump({"data": data, "train": {"batch_per_proc": 6}}))
+    assert proc.returncode == 2 and f"({raw}, as prepare will split it)" in proc.stderr, proc.stderr
+    shutil.rmtree(raw)  # gone: the prepared data is what train reads
+    proc = check(tmp_path, yaml.safe_dump({"data": data, "train": {"batch_per_proc": 7}}))
+    assert proc.returncode == 2 and "than this rank's 6 training images (data/prepared)" in proc.stderr, proc.stderr
+    assert check(tmp_path, yaml.safe_dump({"data": data, "train": {"batch_per_proc": 6}})).returncode == 0
+
+
 def test_grad_norms_schedule_is_checked_on_every_nodes_processes():
     """train.nodes multiplies the images a step, so the loss history fills sooner: a schedule that
     steers on two nodes was refused by the one-node replay (found from outside: 140 steps, buckets
