@@ -1,4 +1,6 @@
 """IDDPM's loss-second-moment sampler against its definition, and its unbiasedness."""
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -489,3 +491,75 @@ def test_output_grad_norms_reach_the_sampler_without_waiting_for_the_gpu():
     seen = np.bincount(t.cpu().numpy(), minlength=20)
     assert sampler.loss_counts.tolist() == np.minimum(2 * seen, 2).tolist()  # both steps' norms, history 2
     assert bool((sampler.loss_history[seen > 0] > 0).all())
+
+
+# --- IDDPM's warm-up: a run too short to leave it ---------------------------------------------------
+def test_iddpms_samplers_that_never_leave_uniform_are_named_before_the_run_and_at_its_end(tmp_path):
+    """loss-second-moment and output-grad-norm draw uniformly until their history is full: a run
+    that ends before trains exactly as `uniform` does (found from outside: two 60-step runs with
+    either sampler gave the same bits, and nothing said so). check-params replays the draws: one step
+    short of the first draw after the warm-up, output-grad-norm is refused and loss-second-moment
+    (the default, whose warm-up quick runs go through) gets a note; at that step, neither. The truth:
+    real runs, whose weights equal uniform's bitwise up to that step and differ at it."""
+    from ddpmrepro import params as P
+    from ddpmrepro.data import prepare
+    from ddpmrepro.params import ParamsError
+    from ddpmrepro.training.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
+    from ddpmrepro.training.timestep_sampler import check_history_fills, steering_step
+    from test_train import train_cmd, env, write_params
+
+    first = steering_step(seed=0, timesteps=10, global_batch=8, grad_accum=1, steps=100)
+    assert first == 18  # the first step that draws after the warm-up (pinned in the test above)
+
+    def settings(sampler, steps):
+        return P.from_dict({"diffusion": {"timesteps": 10}, "sample": {"respacing": ""},
+                            "train": {"batch_per_proc": 8, "steps": steps, "timestep_sampler": sampler}})
+    note = check_history_fills(settings("loss-second-moment", first - 1), processes=1)
+    assert note == ("note: train.timestep_sampler: 'loss-second-moment' would draw uniformly all run: its history "
+                    f"(10 values for each of 10 t; this run's draws replayed, 8 images a step) is not full before the "
+                    f"last step {first - 1} (IDDPM's warm-up); train longer or with a larger batch to sample by importance")
+    with pytest.raises(ParamsError, match=r"^train.timestep_sampler: 'output-grad-norm' would draw uniformly all run: "
+                                          r".* not full before the last step 17; train longer"):
+        check_history_fills(settings("output-grad-norm", first - 1), processes=1)
+    for sampler in ("loss-second-moment", "output-grad-norm"):
+        assert check_history_fills(settings(sampler, first), processes=1) is None
+    assert check_history_fills(settings("output-grad-norm", first - 1), processes=2) is None  # 16 images a step
+
+    data = tmp_path / "data"
+    prepare(P.DataParams(), data)
+    models, errs = {}, {}
+    for sampler in ("uniform", "loss-second-moment"):
+        params = write_params(tmp_path / f"{sampler}.yaml", diffusion={"timesteps": 10},
+                              train={"batch_per_proc": 8, "timestep_sampler": sampler, "steps": first,
+                                     "checkpoint_every": 1, "keep_checkpoints": 2})
+        run = tmp_path / sampler
+        proc = subprocess.run(train_cmd(run, data, params, 1), env=env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (ckpt_dir,) = (run / "ckpt").glob("*/*")
+        models[sampler] = {checkpoint_step(c): load_checkpoint(c)["model"] for c in list_checkpoints(ckpt_dir)}
+        errs[sampler] = proc.stderr
+    uniform, lsm = models["uniform"], models["loss-second-moment"]
+    assert sorted(lsm) == [first - 1, first]
+    assert all(torch.equal(uniform[first - 1][k], lsm[first - 1][k]) for k in lsm[first - 1]), "it left uniform early"
+    assert not all(torch.equal(uniform[first][k], lsm[first][k]) for k in lsm[first]), "it did not leave uniform"
+    assert "drew uniformly" not in errs["loss-second-moment"]  # its last step drew by importance
+
+
+def test_the_end_note_names_a_run_that_drew_uniformly_all_along():
+    """Its history full after the last update only (no draw after it) is still a uniform run."""
+    from ddpmrepro.training.batches import timestep_uniforms
+    from ddpmrepro.training.timestep_sampler import create_sampler
+
+    for steps, drew in ((17, False), (18, True)):  # 18: steering_step's first step for these draws
+        for name in ("loss-second-moment", "output-grad-norm"):
+            sampler = create_sampler(name, 10)
+            for m in range(steps):
+                t, _ = sampler.sample_from_uniform(timestep_uniforms(0, m, 8))
+                sampler.update(t, torch.ones(len(t)))
+            assert sampler.warmed_up()  # full after step 17's update in both
+            note = sampler.end_note(steps)
+            assert (note is None) == drew, note
+            if not drew:
+                assert note == (f"note: train.timestep_sampler '{name}' drew uniformly all 17 steps: its history "
+                                "(10 values at every t) was not full before its last draw; train longer or with a "
+                                "larger batch")

@@ -193,9 +193,11 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
     `checked`: the resolved files of the last check that passed (`check_model` skips what they hold)."""
     s, t = params.sample, params.train
     check_noise_buckets(params)
-    if t.timestep_sampler == "grad-norm" and not passed_before(params, checked, ("diffusion", "train", "introspect")):
-        from ..training.timestep_sampler import check_steers  # torch (a second): only for grad-norm
-        check_steers(params, processes=t.nproc * t.nodes)  # every node's: the run's world size
+    if t.timestep_sampler != "uniform" and not passed_before(params, checked, ("diffusion", "train", "introspect")):
+        from ..training import timestep_sampler as ts  # torch (a second): only where the params changed
+        ts.check_steers(params, processes=t.nproc * t.nodes)  # every node's: the run's world size
+        if note := ts.check_history_fills(params, processes=t.nproc * t.nodes):
+            print(note, file=sys.stderr)
     if s.ema_length:
         check_ema_length(s.ema_length, s.ema_step, t)
     elif s.ema_rate and not t.import_from and s.ema_rate not in t.ema_rates:

@@ -82,7 +82,7 @@ class UniformSampler:
 
 
 class LossSecondMomentSampler(UniformSampler):
-    learns_from = "losses"
+    name, learns_from = "loss-second-moment", "losses"
 
     def __init__(self, num_timesteps: int, history: int = SAMPLER_HISTORY, uniform_prob: float = 0.001):
         super().__init__(num_timesteps)
@@ -90,9 +90,22 @@ class LossSecondMomentSampler(UniformSampler):
         self.uniform_prob = uniform_prob
         self.loss_history = np.zeros((num_timesteps, history), dtype=np.float64)
         self.loss_counts = np.zeros(num_timesteps, dtype=np.int64)
+        # Whether a draw of this process came after the warm-up (a history full only after the last
+        # update drew nothing). Not checkpointed: a stopped run has draws left, and a full history stays full.
+        self.drew_by_importance = False
 
     def warmed_up(self) -> bool:
         return bool((self.loss_counts == self.history).all())
+
+    def sample_from_uniform(self, u: torch.Tensor, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        self.drew_by_importance = self.drew_by_importance or self.warmed_up()
+        return super().sample_from_uniform(u, device)
+
+    def end_note(self, steps: int) -> str | None:
+        if self.drew_by_importance:
+            return None
+        return (f"note: train.timestep_sampler '{self.name}' drew uniformly all {steps} steps: its history "
+                f"({self.history} values at every t) was not full before its last draw; train longer or with a larger batch")
 
     def second_moments(self) -> np.ndarray:
         """What p_t ∝ sqrt of, per t: E[L_t²] over the history (a subclass's model of E‖∇L_t‖²)."""
@@ -143,10 +156,11 @@ class OutputGradNormSampler(LossSecondMomentSampler):
     """p_t ∝ sqrt(E‖∇_out L_t‖²): IDDPM's sampler, its history fed each example's gradient norm of
     the output layer (of the unweighted loss) in place of the loss. The same state, warm-up,
     uniform share, DDP gathering and checkpoint entries."""
-    learns_from = "output_grads"
+    name, learns_from = "output-grad-norm", "output_grads"
 
 
 class GradNormSampler(LossSecondMomentSampler):
+    name = "grad-norm"
     """p_t ∝ sqrt(E‖∇θ L_t‖²), modelled as r_b E[L_t²]: IDDPM's history of the last losses per t gives
     the shape within each noise-level bucket b, and the buckets' measured gradients give r_b, the
     bucket's ratio of the gradient's second moment to the loss's. Mixed with a small uniform share;
@@ -283,6 +297,30 @@ def check_steers(params, processes: int) -> None:
             f"{first}, and no noise-level buckets are measured from then until before the last step {t.steps}; "
             "add such steps to introspect.steps, or set introspect.every and noise_levels_every to divide them, "
             "or pick another sampler")
+
+
+def check_history_fills(params, processes: int) -> str | None:
+    """IDDPM's samplers (`loss-second-moment`, `output-grad-norm`) draw uniformly until their history
+    (`SAMPLER_HISTORY` values at every t) is full: a run too short for it draws uniformly all run
+    under the sampler's name (found from outside: two 60-step runs with either sampler gave the same
+    bits, and nothing said so). `output-grad-norm` is chosen for what it draws: refused (one
+    ParamsError line), as `check_steers` refuses grad-norm. `loss-second-moment`, the default and
+    IDDPM's own warm-up, which quick runs go through: returns a note to print. None where it fills.
+    `processes`: train.nproc x train.nodes, as for `check_steers`."""
+    t = params.train
+    if t.timestep_sampler not in ("loss-second-moment", "output-grad-norm"):
+        return None
+    batch = t.batch_per_proc * processes
+    first = steering_step(seed=t.seed, timesteps=params.diffusion.timesteps, global_batch=batch,
+                          grad_accum=t.grad_accum, steps=t.steps)
+    if first is not None and first <= t.steps:  # a draw of the run comes after the history filled
+        return None
+    why = (f"train.timestep_sampler: '{t.timestep_sampler}' would draw uniformly all run: its history "
+           f"({SAMPLER_HISTORY} values for each of {params.diffusion.timesteps} t; this run's draws replayed, "
+           f"{batch * t.grad_accum} images a step) is not full before the last step {t.steps}")
+    if t.timestep_sampler == "output-grad-norm":
+        raise ParamsError(f"{why}; train longer or with a larger batch, or pick another sampler")
+    return f"note: {why} (IDDPM's warm-up); train longer or with a larger batch to sample by importance"
 
 
 def gather_for_sampler(t: torch.Tensor, losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
