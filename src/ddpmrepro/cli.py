@@ -164,12 +164,14 @@ def main(verbose: bool) -> None:
 
 @main.command("check-params")
 @PARAMS_OPTION
-@click.option("--out", default="reports/params", show_default=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write the sections resolved [default: reports/params for ./params.yaml, nowhere for "
+                   "another file: reports/params is the pipeline's, a DVC output].")
 @click.option("--data", "data_dir", default="data/prepared", show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="The prepared data train will read: its manifest, where prepare made it from these params, "
                    "checks train.batch_per_proc against the data.")
-def check_params(params_path: Path, out: Path, data_dir: Path) -> None:
+def check_params(params_path: Path, out: Path | None, data_dir: Path) -> None:
     """Validate params.yaml, and the stages against each other; write every section resolved.
 
     \b
@@ -178,16 +180,25 @@ def check_params(params_path: Path, out: Path, data_dir: Path) -> None:
             from these params).
     Writes: OUT/<section>.yaml for each section whose resolved values changed.
     The pipeline's first stage: DVC runs it before any other stage removes its outputs, so
-    whatever a later stage would refuse of these params alone is refused here (check_pipeline).
+    whatever a later stage would refuse of these params alone is refused here (check_pipeline),
+    and what train would refuse of this machine, where `dvc repro` trains (a GPU for
+    train.device cuda, train.nproc GPUs, a SLURM allocation for train.nodes > 1; not where a
+    cluster runs Snakemake's jobs).
     """
-    from .pipeline.check_params import check_data_source, check_pipeline, write_resolved
+    from .pipeline.check_params import check_data_source, check_pipeline, check_train_machine, write_resolved
 
     params = _load_params(params_path)
+    if out is None and Path(params_path).resolve() == Path("params.yaml").resolve():
+        out = Path("reports/params")
     try:
         check_pipeline(params, data_dir, checked=out)
         check_data_source(params, data_dir)
+        check_train_machine(params)
     except P.ParamsError as e:
         raise ParamsFileError(f"{params_path}: {e}") from None
+    if out is None:  # another file's sections would overwrite the pipeline's (found from outside)
+        click.echo(f"{params_path} is valid (its resolved sections are written with --out DIR)")
+        return
     try:  # not @user_errors: that imports torch, seconds for a stage that runs on every params edit
         written = write_resolved(params, out)
     except OSError as e:
