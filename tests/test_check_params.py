@@ -512,3 +512,24 @@ def test_another_params_file_is_checked_without_overwriting_the_pipelines_resolv
     assert run_check().returncode == 0  # ./params.yaml: the pipeline's
     assert yaml.safe_load((tmp_path / "reports/params/train.yaml").read_text())["train"]["lr"] == 0.001
     assert run_check("-p", str(tmp_path / "params.yaml")).returncode == 0  # the same file, by another name
+
+
+def test_conflict_steps_must_be_steps_whose_buckets_are_measured(tmp_path):
+    """report.conflict_steps [5, 7] passed, and the report drew the first, middle and last measured
+    steps in their place, saying nothing (found from outside). The truth of "measured": the training's
+    own rule (`levels_measured_at`), here on every step of a short run."""
+    from ddpmrepro.params import ParamsError, levels_measured_at
+    from ddpmrepro.pipeline.check_params import check_conflict_steps
+
+    base = {"train": {"steps": 60}, "introspect": {"every": 10, "noise_levels_every": 20, "steps": [1, 7]}}
+    measured = [s for s in range(1, 61) if levels_measured_at(s, from_dict(base).introspect, last=60)]
+    assert measured == [1, 7, 20, 40, 60]
+    check_conflict_steps(from_dict({**base, "report": {"conflict_steps": measured}}))
+    for step, nearest in ((5, "1 or 7"), (30, "20 or 40"), (61, "60"), (10, "7 or 20")):
+        with pytest.raises(ParamsError, match=rf"^report.conflict_steps: step {step} is not one where the noise-level "
+                                              rf"buckets are measured .*; the nearest: {nearest}$"):
+            check_conflict_steps(from_dict({**base, "report": {"conflict_steps": [1, step]}}))
+    with pytest.raises(ParamsError, match=r"^report.conflict_steps: the noise-level buckets are off"):
+        check_conflict_steps(from_dict({"introspect": {"noise_buckets": 0}, "report": {"conflict_steps": [1]}}))
+    proc = check(tmp_path, "report: {conflict_steps: [5]}\n")  # the command: one line, exit 2
+    assert proc.returncode == 2 and proc.stderr.startswith("Error: params.yaml: report.conflict_steps: step 5 is not "), proc.stderr

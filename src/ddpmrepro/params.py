@@ -406,9 +406,10 @@ class ReportParams:
     """Read by `report`."""
 
     top_k: int = _f(8, min=1, doc="Rows drawn as lines in grad_norm_topk.png (largest mean norm).")
-    conflict_steps: list[int] = _f([], min=1, doc="Recorded steps whose noise-level conflict matrix "
-                                                  "noise_level_conflicts.png draws; [] (or none recorded): the "
-                                                  "first, middle and last recorded steps.")
+    conflict_steps: list[int] = _f([], min=1, doc="Steps whose noise-level conflict matrix "
+                                                  "noise_level_conflicts.png draws: steps where the buckets are "
+                                                  "measured (check-params refuses others); []: the first, middle "
+                                                  "and last measured steps.")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import yaml
 
 from ..files import atomic_write_text, project_root_for
 from ..model import phema, schedules
-from ..params import Params, ParamsError, load, snapshot_steps
+from ..params import Params, ParamsError, levels_measured_at, load, snapshot_steps
 from ..training.noise_buckets import checked_layout
 
 HEADER = "# Written by `ddpmrepro check-params` from params.yaml, defaults filled in. Do not edit.\n"
@@ -219,6 +219,28 @@ def check_train_machine(params: Params, env=None) -> None:
                           "lower train.nproc or set CUDA_VISIBLE_DEVICES")
 
 
+def check_conflict_steps(params: Params) -> None:
+    """`report.conflict_steps` must be steps whose noise-level buckets the training measures: the
+    report drew other steps in their place, saying nothing (found from outside)."""
+    ip, t = params.introspect, params.train
+    if not params.report.conflict_steps or t.import_from:
+        return
+    if ip.noise_buckets == 0 and not ip.noise_bucket_edges:
+        raise ParamsError("report.conflict_steps: the noise-level buckets are off (introspect.noise_buckets: 0), "
+                          "so no step has a conflict matrix; set report.conflict_steps: [] or turn the buckets on")
+
+    def measured(step: int) -> bool:
+        return 1 <= step <= t.steps and levels_measured_at(step, ip, last=t.steps)
+    for step in params.report.conflict_steps:
+        if not measured(step):
+            below = next((s for s in range(min(step, t.steps + 1) - 1, max(0, step - 100_000), -1) if measured(s)), None)
+            above = next((s for s in range(step + 1, min(t.steps, step + 100_000) + 1) if measured(s)), None)
+            nearest = " or ".join(str(s) for s in (below, above) if s is not None)
+            raise ParamsError(f"report.conflict_steps: step {step} is not one where the noise-level buckets are "
+                              f"measured (introspect.every, noise_levels_every and steps, of train.steps {t.steps})"
+                              + (f"; the nearest: {nearest}" if nearest else ""))
+
+
 def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path | None = None) -> None:
     """What the stages would refuse of each other, as the pipeline chains them (one ParamsError line):
     `sample` and `evaluate` read the run that `train` makes from the same file, `train` reads the data
@@ -246,6 +268,7 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
         raise ParamsError(f"superres.project: data.image_size {params.data.image_size} is not a whole multiple of "
                           f"superres.low_res {sr.low_res}, so downsampling is not a block mean to project on; set "
                           "project: false")
+    check_conflict_steps(params)
     manifest = prepared_manifest(params, data_dir)
     # An image folder that is there is counted from its listing (check_data_source): the manifest is
     # of the folder as prepare last saw it, and prepare reruns first where it has changed since.
