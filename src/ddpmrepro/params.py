@@ -193,8 +193,10 @@ class TrainParams:
                                                                        "steps skipped and counted); bf16: autocast.")
     lr: float = _f(2e-3, min=0.0, min_exclusive=True, max=1.0, doc="AdamW learning rate after warmup.")
     warmup_steps: int = _f(100, min=0, doc="Linear warmup from lr/warmup_steps to lr.")
-    anneal: str = _f("linear", choices=("none", "linear"), doc="After warmup: constant, or linear to 0 at the "
-                                                               "last step.")
+    anneal: str = _f("linear", choices=("none", "linear"), doc="After warmup: constant, or linear towards 0: "
+                                                               "update s (from 0) uses lr (1 - (s - warmup_steps) / (steps - "
+                                                               "warmup_steps)), the last one lr / (steps - "
+                                                               "warmup_steps).")
     weight_decay: float = _f(0.0, min=0.0, doc="AdamW's decoupled weight decay.")
     grad_clip: float = _f(1.0, min=0.0, doc="Clip the global gradient norm (measured after unscaling) to this; "
                                             "0 disables.")
