@@ -388,6 +388,42 @@ def test_writer_chunks_and_resume_drop_duplicate_steps(tmp_path):
     assert read_table(tmp_path, "param_grads").empty and len(pd.read_csv(tmp_path / "steps.tsv", sep="\t")) == 0
 
 
+def test_checkpoints_stops_and_kills_leave_the_tables_files_as_a_run_without_them(tmp_path):
+    """Chunks end where flush_every or max_rows say, never at a checkpoint: a checkpoint's snapshot
+    writes the buffered rows and keeps them, and a run resumed from it reads them back (the
+    checkpoint's `unflushed_from`). Found from outside: a resumed run's reports/introspect had
+    other chunks, so another md5 in dvc.lock. Kills before and after the next chunk replaced the
+    snapshot, and between its write and the snapshot's removal, end in the same bytes."""
+    def rows(w, steps):
+        for s in steps:
+            p, su, a = fake_rows(s)
+            w.add(s, params=p, summary=su, activations=a)
+
+    def files(d):
+        return {f.relative_to(d).as_posix(): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+    ref = tmp_path / "ref"
+    w = TableWriter(ref, start_step=0, flush_every=10)
+    rows(w, range(1, 31))
+    w.close()
+    assert sorted(f.name for f in (ref / "steps").iterdir()) == [
+        "part-000000001-000000010.parquet", "part-000000011-000000020.parquet", "part-000000021-000000030.parquet"]
+
+    for killed_at, crash_in_flush in ((17, False), (25, False), (25, True)):
+        d = tmp_path / f"run{killed_at}{crash_in_flush}"
+        w = TableWriter(d, start_step=0, flush_every=10)
+        rows(w, range(1, 14))
+        w.snapshot()  # the checkpoint at step 13 (a stop, or checkpoint_every) notes:
+        unflushed_from = w.unflushed_from
+        assert unflushed_from == 11 and (d / "steps/part-000000011-000000013.parquet").exists()
+        rows(w, range(14, killed_at + 1))  # to 17: still buffered; to 25: the chunk 11-20 replaced the snapshot
+        if crash_in_flush:  # killed between the chunk's write and the snapshot's removal
+            (d / "steps/part-000000011-000000013.parquet").write_bytes((ref / "steps/part-000000001-000000010.parquet").read_bytes())
+        w = TableWriter(d, start_step=13, flush_every=10, unflushed_from=unflushed_from)  # resumed from step 13
+        rows(w, range(14, 31))
+        w.close()
+        assert files(d) == files(ref), (killed_at, crash_in_flush)
+
+
 def test_writer_flushes_on_a_row_budget_when_recording_every_step(tmp_path):
     # 5 rows a step (3 params + 1 summary + 1 activation); a budget of 12 rows flushes every 3rd step
     w = TableWriter(tmp_path, start_step=0, flush_every=1000, max_rows=12)

@@ -104,9 +104,17 @@ class TableWriter:
     recorded for later steps (by a run that crashed after its last checkpoint, or by an earlier
     run when start_step is 0) is removed, so no step appears twice; rows up to and including
     `start_step` belong to the checkpoint and are kept.
+
+    Chunks end where `flush_every` steps or `max_rows` rows say, never at a checkpoint: before one,
+    `snapshot()` writes the buffered rows (the checkpoint needs them on disk) and keeps them
+    buffered; the next flush writes them again in its chunk and removes the snapshot's files, and a
+    run resumed from that checkpoint reads them back first (`unflushed_from`, saved in it). So the
+    files do not depend on checkpoint_every, nor on a stop and resume: they equal, not only their
+    rows (found from outside: a resumed run's reports/introspect had another md5 in dvc.lock).
     """
 
-    def __init__(self, out_dir: str | Path, *, start_step: int, flush_every: int = 250, max_rows: int = 10_000):
+    def __init__(self, out_dir: str | Path, *, start_step: int, flush_every: int = 250, max_rows: int = 10_000,
+                 unflushed_from: int | None = None):
         self.out_dir = Path(out_dir)
         self.flush_every = flush_every
         # A row budget as well as a step budget: recording every step buffers ~200 rows a step, and
@@ -122,6 +130,26 @@ class TableWriter:
         self._last_step = start_step
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._truncate(first)
+        self._snapshot: list[Path] = []  # the last snapshot's files, rows still buffered: the next chunk replaces them
+        if unflushed_from is not None and unflushed_from < first:
+            self._read_back(unflushed_from)
+
+    @property
+    def unflushed_from(self) -> int:
+        """The first step whose rows an uninterrupted run would not have written yet (for the checkpoint)."""
+        return self._last_flush
+
+    def _read_back(self, from_step: int) -> None:
+        """Into the buffer: the rows of steps >= from_step, the checkpoint's snapshot."""
+        for table, schema in SCHEMAS.items():
+            for f in sorted((self.out_dir / table).iterdir()):
+                m = _PART.fullmatch(f.name)
+                if m and int(m[1]) >= from_step:
+                    t = pq.read_table(f, schema=schema)
+                    self._buf[table].append(t)
+                    self._rows += t.num_rows
+                    self._snapshot.append(f)
+        self._last_flush = from_step
 
     def _truncate(self, from_step: int) -> None:
         """Removes every row, TSV line and dump of a step >= from_step."""
@@ -182,19 +210,34 @@ class TableWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Writes everything buffered as one chunk per table (call it before saving a checkpoint)."""
+        """Writes everything buffered as one chunk per table."""
+        self._write_buffer(keep=False)
+
+    def snapshot(self) -> None:
+        """Writes everything buffered, and keeps it buffered for the chunk it belongs to (call it
+        before saving a checkpoint, which notes `unflushed_from`)."""
+        self._write_buffer(keep=True)
+
+    def _write_buffer(self, *, keep: bool) -> None:
+        written = []
         for table, parts in self._buf.items():
             if parts:
                 t = pa.concat_tables(parts)
                 lo, hi = pc.min_max(t["step"]).values()
                 self._write_part(table, t, lo.as_py(), hi.as_py())
-                parts.clear()
-        self._rows = 0
-        if self._tsv_buf:
+                written.append(self.out_dir / table / f"part-{lo.as_py():09d}-{hi.as_py():09d}.parquet")
+                parts[:] = [t] if keep else []
+        for f in self._snapshot:  # the new files hold their rows
+            if f not in written:
+                f.unlink(missing_ok=True)
+        self._snapshot = written if keep else []
+        if self._tsv_buf:  # (steps.tsv is appended to, whatever the chunks: a snapshot writes its lines for good)
             with open(self.out_dir / "steps.tsv", "a") as f:
                 f.writelines(self._tsv_buf)
             self._tsv_buf.clear()
-        self._last_flush = self._last_step + 1
+        if not keep:
+            self._rows = 0
+            self._last_flush = self._last_step + 1
 
     def close(self) -> None:
         self.flush()

@@ -228,13 +228,13 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
     # The gradient noise scale from the step's microbatches and ranks (hooks; nothing on one batch a step).
     noise_scale = NoiseScale(raw_model, enabled=ip.noise_scale, micro_batch=p.batch_per_proc, grad_accum=p.grad_accum,
                              world=world, halflife_steps=ip.noise_scale_halflife)
-    checkpoint = ckpt.CheckpointIO(model=raw_model, optimizer=opt, scaler=scaler, ema=ema, phema=phema,
-                                   sampler=sampler, nonfinite=nonfinite, log_sums=stats, noise_scale=noise_scale,
-                                   summary=last, **weighting.checkpoint_entries())
     # The recorders' patterns and the noise-level buckets are checked here, before anything is written.
     introspection = Introspection(raw_model, ip, last_step=p.steps, alphas_cumprod=diffusion.alphas_cumprod,
                                   batch_per_step=p.batch_per_proc * p.grad_accum * world, noise_scale=noise_scale,
                                   stats=stats, device=device)
+    checkpoint = ckpt.CheckpointIO(model=raw_model, optimizer=opt, scaler=scaler, ema=ema, phema=phema,
+                                   sampler=sampler, nonfinite=nonfinite, log_sums=stats, noise_scale=noise_scale,
+                                   summary=last, tables=introspection, **weighting.checkpoint_entries())
     if not restart:
         _refuse_interrupted_run_of_other_code(ckpt_dir, p.steps)
     with ckpt.RunLock(ckpt_dir) if main else contextlib.nullcontext():
@@ -349,12 +349,12 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                 # Checkpoint atomically every k steps, at the end, and when asked to stop.
                 if save_now:
                     sampler_updates.flush()
+                    # Tables first: a kill between the two then resumes from the previous checkpoint,
+                    # which drops the rows after it. (Checkpoint first, a kill mid-flush lost the rows
+                    # up to this step for good: a resume never redoes them.) The checkpoint notes them.
+                    introspection.flush()
                     state = checkpoint.state_dict(done, run_hash=run_id, code_version=version, params=params.to_dict())
                     if main:
-                        # Tables first: a kill between the two then resumes from the previous
-                        # checkpoint, which drops the rows after it. (Checkpoint first, a kill
-                        # mid-flush lost the rows up to this step for good: a resume never redoes them.)
-                        introspection.flush()
                         ckpt.save_checkpoint(state, ckpt_dir, done, keep=p.keep_checkpoints)
                     D.barrier()
                     saved_step = done

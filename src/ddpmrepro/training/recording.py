@@ -67,6 +67,7 @@ class Introspection:
         self.main = D.is_main()
         self.grads, self.activations = gradient_recorders(raw_model, ip)
         self.writer = None
+        self._unflushed_from = None  # from a checkpoint (load_state_dict), for the writer
         self.recording = self.measuring_levels = False
 
     @property
@@ -76,9 +77,16 @@ class Introspection:
 
     def open_tables(self, tables_dir: Path, start_step: int) -> None:
         """The table writer (rank 0), once the step to start from is known: a resumed run's writer
-        first drops the rows written after its checkpoint."""
+        first drops the rows written after its checkpoint, and reads back its snapshot's."""
         if self.main:
-            self.writer = introspect.TableWriter(tables_dir, start_step=start_step)
+            self.writer = introspect.TableWriter(tables_dir, start_step=start_step, unflushed_from=self._unflushed_from)
+
+    def state_dict(self) -> dict:
+        """The checkpoint's: from which step the tables' rows on disk are a snapshot (TableWriter)."""
+        return {"unflushed_from": self.writer.unflushed_from if self.writer is not None else 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._unflushed_from = int(state["unflushed_from"])
 
     def __enter__(self):  # the activation hooks, removed on exit
         self.activations.__enter__()
@@ -142,9 +150,11 @@ class Introspection:
             self.writer.add(done, **tables)
 
     def flush(self) -> None:
-        """The rows so far onto disk (before a checkpoint: a resume drops the rows after its checkpoint)."""
+        """The rows so far onto disk, before a checkpoint (a resume drops the rows after its
+        checkpoint): `TableWriter.snapshot`, which leaves the tables' files as a run without
+        checkpoints writes them."""
         if self.writer is not None:
-            self.writer.flush()
+            self.writer.snapshot()
 
     def close(self) -> None:
         if self.writer is not None:
