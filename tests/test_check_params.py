@@ -123,6 +123,9 @@ BY_PARAMS = {  # site -> [(params.yaml, the key the one line names)]
          "train.timestep_sampler"),
         ({"train": {"timestep_sampler": "grad-norm"}, "introspect": {"noise_levels_every": 1500}},
          "train.timestep_sampler")],
+    # output-grad-norm only where its history fills before the last step (loss-second-moment: a note)
+    "training/timestep_sampler.py:check_history_fills": [
+        ({"train": {"timestep_sampler": "output-grad-norm", "steps": 150}}, "train.timestep_sampler")],
     "training/noise_levels.py:bucket_layout": [
         ({"introspect": {"noise_bucket_space": "logsnr", "noise_bucket_edges": [100.0]}},
          "introspect.noise_bucket_edges"),

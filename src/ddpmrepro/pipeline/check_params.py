@@ -84,12 +84,34 @@ def resolved_text(params: Params, section: str) -> str:
     return HEADER + yaml.safe_dump({section: params.to_dict()[section]}, sort_keys=False)
 
 
-def passed_before(params: Params, checked: Path | None, sections) -> bool:
+def passed_before(params: Params, checked: Path | None, sections, keys: dict[str, tuple[str, ...]] | None = None) -> bool:
     """Whether `checked` (this stage's resolved files, which only a check that passed writes) holds
-    these `sections` as they are now: what depends on them alone was checked then."""
-    return checked is not None and all((Path(checked) / f"{name}.yaml").is_file()
-                                       and (Path(checked) / f"{name}.yaml").read_text() == resolved_text(params, name)
-                                       for name in sections)
+    these `sections` as they are now, and these `keys` of others: what depends on them alone was
+    checked then."""
+    if checked is None:
+        return False
+    for name in (*sections, *(keys or {})):
+        path = Path(checked) / f"{name}.yaml"
+        if not path.is_file():
+            return False
+        if name in sections:
+            if path.read_text() != resolved_text(params, name):
+                return False
+            continue
+        try:
+            before = (yaml.safe_load(path.read_text()) or {}).get(name) or {}
+        except yaml.YAMLError:
+            return False
+        now = params.to_dict()[name]
+        if any(k not in before or before[k] != now[k] for k in keys[name]):
+            return False
+    return True
+
+
+# What the timestep samplers' checks replay (the draws of t, and when the history fills): an edit
+# of anything else in these sections (train.lr, say) is checked without torch.
+SAMPLER_KEYS = {"diffusion": ("timesteps",),
+                "train": ("seed", "steps", "batch_per_proc", "nproc", "nodes", "grad_accum", "timestep_sampler")}
 
 
 def check_model(params: Params, num_classes: int | None, checked: Path | None = None) -> None:
@@ -248,8 +270,8 @@ def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path |
     `checked`: the resolved files of the last check that passed (`check_model` skips what they hold)."""
     s, t = params.sample, params.train
     check_noise_buckets(params)
-    if t.timestep_sampler != "uniform" and not passed_before(params, checked, ("diffusion", "train", "introspect")):
-        from ..training import timestep_sampler as ts  # torch (a second): only where the params changed
+    if t.timestep_sampler != "uniform" and not passed_before(params, checked, ("introspect",), SAMPLER_KEYS):
+        from ..training import timestep_sampler as ts  # torch (a second): only where what it replays changed
         ts.check_steers(params, processes=t.nproc * t.nodes)  # every node's: the run's world size
         if note := ts.check_history_fills(params, processes=t.nproc * t.nodes):
             print(note, file=sys.stderr)
