@@ -5,12 +5,10 @@
 # the results, and Snakemake schedules them within `--resources gpu=N` or on SLURM.
 #   snakemake --cores all --resources gpu=4
 #   snakemake --workflow-profile profiles/slurm
-import os
-
 import yaml
 from snakemake.utils import min_version
 
-from ddpmrepro.pipeline.check_params import TRAIN_ELSEWHERE, check_params_file
+from ddpmrepro.pipeline.check_params import check_params_file
 from ddpmrepro.pipeline.dvc_bridge import is_dry_run
 
 min_version("9.0")
@@ -35,10 +33,6 @@ with open("params.yaml") as _f:
 # own parse only reads them (where they match, it skips building the network: no torch import).
 # A dry run (-n) writes nothing: each stage's `params:` in dvc.yaml already makes DVC's status see
 # an edit of its sections; only a default changed in the code is seen by the real run alone.
-# Where a cluster runs the jobs (no --cores: an executor submits), train will not run on this machine:
-# check-params (here, and in the check_params job, local) leaves this machine's GPUs unchecked.
-if workflow.is_main_process and workflow.resource_settings.cores is None:
-    os.environ[TRAIN_ELSEWHERE] = "1"
 check_params_file("params.yaml", "reports/params", write=workflow.is_main_process and not is_dry_run(workflow))
 
 

@@ -466,38 +466,6 @@ def test_the_committed_resolved_sections_are_what_check_params_writes_for_params
     assert committed == {f.name: f.read_text() for f in tmp_path.glob("*.yaml")}
 
 
-def test_what_train_would_refuse_of_this_machine_is_refused_where_it_trains_here(tmp_path, monkeypatch):
-    """`dvc repro` trains on the machine that checks: a GPU request without a GPU, or several nodes
-    outside a SLURM allocation, removed models/ddpm and the git-tracked curves before train refused
-    them (found from outside). Not where a cluster runs the jobs: the Snakefile says so
-    (TRAIN_ELSEWHERE), as check_params then runs on the login node; nor inside a SLURM allocation."""
-    import torch
-
-    from ddpmrepro.params import ParamsError
-    from ddpmrepro.pipeline.check_params import TRAIN_ELSEWHERE, check_train_machine
-
-    monkeypatch.delenv(TRAIN_ELSEWHERE, raising=False)
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    two_nodes = from_dict({"train": {"nodes": 2}})
-    with pytest.raises(ParamsError, match=r"^train.nodes=2 trains on a SLURM allocation of 2 nodes .* and this "
-                                          r"machine is in none; set train.nodes: 1 to train here$"):
-        check_train_machine(two_nodes)
-    check_train_machine(two_nodes, env={"SLURM_JOB_ID": "7"})  # the allocation's size: train checks it
-    check_train_machine(two_nodes, env={TRAIN_ELSEWHERE: "1"})
-    check_train_machine(from_dict({"train": {"nproc": 2}}))  # auto: processes on the CPU where there is no GPU
-    if torch.cuda.device_count() == 0:
-        proc = check(tmp_path, "train: {device: cuda}\n")
-        assert proc.returncode == 2 and proc.stderr == (
-            "Error: params.yaml: train.device: cuda, but no CUDA device is visible on this machine, where `dvc repro` "
-            "trains; set it to auto (a GPU where there is one) or cpu, run on a GPU machine, or submit to a cluster "
-            "(docs/CLUSTER.md)\n"), proc.stderr
-        assert not (tmp_path / "resolved").exists()
-        monkeypatch.setenv(TRAIN_ELSEWHERE, "1")
-        assert check(tmp_path, "train: {device: cuda}\n").returncode == 0
-    # an imported model is not trained
-    check_train_machine(from_dict({"train": {"nodes": 2, "import_from": "x.pt"}}), env={})
-
-
 def test_another_params_file_is_checked_without_overwriting_the_pipelines_resolved_sections(tmp_path):
     """`check-params -p configs/x.yaml` wrote x's sections into reports/params, the pipeline's
     (git-tracked, a DVC output): `dvc status` then showed changes until check_params reran (found

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 import yaml
 
 from ddpmrepro import params as P
@@ -220,11 +219,6 @@ def snapshot(repo: Path) -> dict[str, bytes]:
     ({"introspect": {"params": ["nothing.*"]}}, "introspect.params"),
     # The raw data as prepare lists it: DVC removed data/prepared, then prepare refused (found from outside)
     ({"data": {"source": "image_folder", "root": "data/raw/none"}}, "data/raw/none: data.root does not exist"),
-    # What train refuses of the machine it runs on, which is this one (found from outside: DVC removed
-    # models/ddpm and the git-tracked curves first)
-    pytest.param({"train": {"device": "cuda"}}, "train.device: cuda, but no CUDA device is visible",
-                 marks=pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a GPU is visible here")),
-    ({"train": {"nodes": 2}}, "train.nodes=2 trains on a SLURM allocation"),
 ])
 def test_a_params_typo_stops_every_front_end_before_any_output_is_touched(repo, typo, key):
     # A finished run, then a typo: DVC used to remove the train stage's outputs before the stage's

@@ -180,12 +180,9 @@ def check_params(params_path: Path, out: Path | None, data_dir: Path) -> None:
             from these params).
     Writes: OUT/<section>.yaml for each section whose resolved values changed.
     The pipeline's first stage: DVC runs it before any other stage removes its outputs, so
-    whatever a later stage would refuse of these params alone is refused here (check_pipeline),
-    and what train would refuse of this machine, where `dvc repro` trains (a GPU for
-    train.device cuda, train.nproc GPUs, a SLURM allocation for train.nodes > 1; not where a
-    cluster runs Snakemake's jobs).
+    whatever a later stage would refuse of these params alone is refused here (check_pipeline).
     """
-    from .pipeline.check_params import check_data_source, check_pipeline, check_train_machine, write_resolved
+    from .pipeline.check_params import check_data_source, check_pipeline, write_resolved
 
     params = _load_params(params_path)
     if out is None and Path(params_path).resolve() == Path("params.yaml").resolve():
@@ -193,7 +190,6 @@ def check_params(params_path: Path, out: Path | None, data_dir: Path) -> None:
     try:
         check_pipeline(params, data_dir, checked=out)
         check_data_source(params, data_dir)
-        check_train_machine(params)
     except P.ParamsError as e:
         raise ParamsFileError(f"{params_path}: {e}") from None
     if out is None:  # another file's sections would overwrite the pipeline's (found from outside)

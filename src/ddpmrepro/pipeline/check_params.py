@@ -208,39 +208,6 @@ def check_data_source(params: Params, data_dir: Path | None) -> None:
         check_batch_fits(params, train_images, f"{params.data.root}, as prepare will split it")
 
 
-# Set by the Snakefile where a cluster executor runs the jobs: train will not run on this machine.
-TRAIN_ELSEWHERE = "DDPMREPRO_TRAIN_ELSEWHERE"
-
-
-def check_train_machine(params: Params, env=None) -> None:
-    """Where train will run on this very machine (`dvc repro`, `dvc exp run`, a local Snakemake),
-    what train would refuse of the machine is refused here, before DVC removes its outputs (found
-    from outside: `train.device: cuda` on a laptop removed models/ddpm and the git-tracked curves,
-    then train failed): no CUDA device for train.device cuda, fewer GPUs than train.nproc, several
-    nodes outside a SLURM allocation. Skipped where a cluster runs the jobs (the Snakefile sets
-    TRAIN_ELSEWHERE: check_params then runs on the login node) and for an imported model."""
-    env = os.environ if env is None else env
-    t = params.train
-    if env.get(TRAIN_ELSEWHERE) or t.import_from:
-        return
-    if t.nodes > 1 and "SLURM_JOB_ID" not in env:
-        raise ParamsError(f"train.nodes={t.nodes} trains on a SLURM allocation of {t.nodes} nodes (the Snakemake "
-                          "profile, or `dvc repro` in a batch script of that many: docs/CLUSTER.md), and this "
-                          "machine is in none; set train.nodes: 1 to train here")
-    if t.device == "cpu" or (t.device == "auto" and t.nproc == 1):
-        return
-    import torch  # a second: only for a GPU request
-
-    have = torch.cuda.device_count()  # NVML: CUDA stays uninitialised
-    here = "on this machine, where `dvc repro` trains"
-    if t.device == "cuda" and have == 0:
-        raise ParamsError(f"train.device: cuda, but no CUDA device is visible {here}; set it to auto (a GPU where "
-                          "there is one) or cpu, run on a GPU machine, or submit to a cluster (docs/CLUSTER.md)")
-    if have and t.nproc > have:
-        raise ParamsError(f"train.nproc={t.nproc} processes need {t.nproc} GPUs but {have} are visible {here}; "
-                          "lower train.nproc or set CUDA_VISIBLE_DEVICES")
-
-
 def check_conflict_steps(params: Params) -> None:
     """`report.conflict_steps` must be steps whose noise-level buckets the training measures: the
     report drew other steps in their place, saying nothing (found from outside)."""
@@ -316,7 +283,6 @@ def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | No
         check_pipeline(params, Path(data_dir) if data_dir else None, Path(out_dir) if out_dir else None)
         if write:  # Snakemake's main process: once a run, before any job (a job's parse need not list the data)
             check_data_source(params, Path(data_dir) if data_dir else None)
-            check_train_machine(params)
     except ParamsError as e:
         msg = str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
         print(f"Error: {msg}", file=sys.stderr)
