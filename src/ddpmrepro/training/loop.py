@@ -352,7 +352,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     # Tables first: a kill between the two then resumes from the previous checkpoint,
                     # which drops the rows after it. (Checkpoint first, a kill mid-flush lost the rows
                     # up to this step for good: a resume never redoes them.) The checkpoint notes them.
-                    introspection.flush()
+                    introspection.snapshot_tables()
                     state = checkpoint.state_dict(done, run_hash=run_id, code_version=version, params=params.to_dict())
                     if main:
                         ckpt.save_checkpoint(state, ckpt_dir, done, keep=p.keep_checkpoints)

@@ -149,7 +149,7 @@ class Introspection:
         if self.writer is not None and tables:
             self.writer.add(done, **tables)
 
-    def flush(self) -> None:
+    def snapshot_tables(self) -> None:
         """The rows so far onto disk, before a checkpoint (a resume drops the rows after its
         checkpoint): `TableWriter.snapshot`, which leaves the tables' files as a run without
         checkpoints writes them."""
