@@ -40,9 +40,11 @@ include: "workflow/rules/slurm.smk"
 include: "workflow/rules/dvc_stages.smk"
 
 
-# On SLURM: stop before the first submission if a job could never start or be seen to end.
+# Before the first job: on SLURM, stop if a job could never start or be seen to end; locally, if a
+# training or sampling job could not start on this machine (before DVC removes its outputs).
 onstart:
     check_slurm_jobs()
+    check_local_jobs()
 
 
 # On SLURM a failed job shows here only as "SLURM status is: 'FAILED'" and its log's path (found

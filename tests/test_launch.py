@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -284,3 +285,59 @@ def test_device_cuda_without_a_visible_gpu_names_the_device_key(monkeypatch):
                                               r"here; set it to auto \(a GPU where there is one\) or cpu"):
             check_devices("cuda", 1, key=key, claim=False)
     assert check_devices("auto", 1, claim=False)  # auto runs on the CPU
+
+
+def _params(**sections):
+    from ddpmrepro import params as P
+
+    return P.from_dict({name: dict(values) for name, values in sections.items()})
+
+
+def test_the_snakefiles_check_finds_the_stages_that_launch_and_their_params_files():
+    """The main pipeline's and the cascade's dvc.yaml, as load_stages reads them: which commands start
+    processes on devices, with which params file (the check reads that file, not params.yaml)."""
+    from ddpmrepro.pipeline.dvc_bridge import load_stages
+    from ddpmrepro.pipeline.jobs_here import launched_command
+
+    root = Path(__file__).resolve().parents[1]
+    found = {st.name: launched_command(st.cmd) for st in load_stages(root)}
+    assert {k: v for k, v in found.items() if v} == {"train": ("train", "params.yaml"),
+                                                     "sample": ("sample", "params.yaml")}
+    found = {st.name: launched_command(st.cmd) for st in load_stages(root / "cascade")}
+    assert {k: v for k, v in found.items() if v} == {
+        "train_base": ("train", "base.yaml"), "sample_base": ("sample", "base.yaml"),
+        "train_upsampler": ("train", "upsampler.yaml")}  # sample-superres: one process, no launcher
+    assert launched_command("ddpmrepro train -p x.yaml --out m") == ("train", "x.yaml")
+    assert launched_command("/env/bin/ddpmrepro sample --params=y.yaml") == ("sample", "y.yaml")
+    assert launched_command("python -m ddpmrepro.cli evaluate --samples s") is None
+
+
+def test_the_snakefiles_check_says_what_the_launcher_would_refuse_and_nothing_else(monkeypatch):
+    """Each line is the launcher's own refusal (truth: check_devices / check_node_count called as
+    `ddpmrepro train` calls them); a run that can start here gets none."""
+    import torch
+
+    from ddpmrepro.pipeline.jobs_here import launch_problems
+    from ddpmrepro.runtime.launch import LaunchError, check_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    cuda = _params(train={"device": "cuda"})
+    with pytest.raises(LaunchError) as refused:
+        check_devices("cuda", 1, claim=False)
+    assert launch_problems("train", cuda, {}) == [str(refused.value)]
+    assert launch_problems("train", _params(), {}) == []
+    assert launch_problems("sample", cuda, {}) == []  # sample.device is auto: the CPU
+    assert launch_problems("train", _params(train={"device": "cuda", "import_from": "x.pt"}), {}) == []
+
+    two = _params(train={"nodes": 2})
+    [line] = launch_problems("train", two, {})
+    assert line.startswith("train.nodes=2 runs on 2 nodes: in a SLURM allocation of 2 nodes")
+    assert launch_problems("train", two, {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}) == []
+    [line] = launch_problems("train", two, {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"})
+    assert line.startswith("train.nodes=2, but this SLURM allocation has 1 node(s)")
+    assert len(launch_problems("train", _params(train={"nodes": 2, "device": "cuda"}), {})) == 2  # both said
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a two-GPU machine: counts checked
+    assert launch_problems("train", _params(train={"nproc": 2}), {}) == []
+    [line] = launch_problems("sample", _params(sample={"nproc": 4}), {})
+    assert line == "sample.nproc=4 processes need 4 GPUs but 2 are visible; lower sample.nproc or set CUDA_VISIBLE_DEVICES"

@@ -12,8 +12,9 @@ ALLOWED = {
             "evaluation", "interop", "__init__", "__version__"},
     "interop": {"params", "respace", "files", "outputs", "data", "model", "model_dir"},
     # check_params holds the stages to each other (check_pipeline): the bucket rule of training/, the
-    # post-hoc EMA's equations and the model's names; nothing below imports pipeline/.
-    "pipeline": {"params", "respace", "files", "tables", "model", "training", "data"},
+    # post-hoc EMA's equations and the model's names; jobs_here the launcher's checks of this machine;
+    # nothing below imports pipeline/.
+    "pipeline": {"params", "respace", "files", "tables", "model", "training", "data", "runtime"},
     "training": {"params", "respace", "files", "outputs", "tables", "data", "model", "runtime", "model_dir"},
     "evaluation": {"params", "respace", "files", "outputs", "tables", "data", "model", "runtime", "model_dir"},
     "data": {"params", "respace", "files", "outputs"},

@@ -420,6 +420,42 @@ def test_a_stage_that_fails_under_snakemake_says_why_on_its_output(repo):
         run(repo, "dvc", "repro", "-s", "check_params")  # reports/params/ (git's, not DVC's cache), as they were
     assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
 
+def test_a_training_that_cannot_start_here_stops_a_local_snakemake_before_any_job(repo):
+    """Found from outside: `train.device: cuda` on a machine without a GPU (or `train.nodes: 2` outside
+    SLURM) was refused by train's own job, after DVC had removed models/ddpm. check_params cannot
+    refuse it (a `dvc repro prepare` on a login node with params meant for the cluster is legitimate);
+    the Snakefile, which knows the jobs it will run here, stops before the first. A run without train
+    goes through."""
+    import torch
+
+    if torch.cuda.device_count():
+        pytest.skip("this machine has a GPU: train.device: cuda can start here")
+    original, lock = (repo / "params.yaml").read_text(), (repo / "dvc.lock").read_bytes()
+    written_at_parse = "reports/params/"  # the resolved params, brought up to date before any job (Snakefile)
+    before = {k: v for k, v in snapshot(repo).items() if not k.startswith(written_at_parse)}
+    job_logs = lambda repo: {p.name: p.stat().st_mtime_ns for p in (repo / "logs/dvc").glob("*.log")}  # noqa: E731
+    logs_before = job_logs(repo)
+    set_param(repo, "train", "device", "cuda")
+    set_param(repo, "train", "nodes", 2)
+    try:
+        proc = run(repo, "snakemake", "--cores", "all", check=False)
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("Error: ")]
+        assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]
+        assert errors[0].startswith("Error: train: train.nodes=2 runs on 2 nodes: in a SLURM allocation"), errors
+        assert errors[1].startswith("Error: train: train.device: cuda, but no CUDA device is visible here"), errors
+        assert all(e.endswith("(checked before any job ran; nothing was removed)") for e in errors)
+        assert not re.search(r"^(local)?rule \w+:", proc.stdout + proc.stderr, re.M), proc.stderr[-3000:]
+        assert job_logs(repo) == logs_before  # no job started (each writes logs/dvc/<stage>.log)
+        assert {k: v for k, v in snapshot(repo).items() if not k.startswith(written_at_parse)} == before
+        ok = run(repo, "snakemake", "--cores", "1", "check_params")  # no train among its jobs: not refused
+        assert re.search(r"^(local)?rule check_params:", ok.stdout + ok.stderr, re.M)  # how a job shows above
+    finally:
+        (repo / "params.yaml").write_text(original)
+        (repo / "dvc.lock").write_bytes(lock)  # the check_params job recorded the edited params
+        run(repo, "dvc", "repro", "-s", "check_params")  # reports/params/ as they were
+    assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
+
+
 def test_snakemake_while_dvc_runs_is_one_line_not_a_traceback(repo):
     """While a `dvc repro` writes an output, DVC's status (which the Snakefile asks at parse time) is
     refused with its lock error: a 13-frame traceback before (found from outside)."""

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from ddpmrepro.pipeline.dvc_bridge import expand_source_dir, is_dry_run, load_stages, stages_to_run
+from ddpmrepro.pipeline.jobs_here import check_jobs_here
 
 STAGES = load_stages(".")
 # The job's script, from the working directory: the project root, or cascade/ for the cascade's Snakefile.
@@ -102,6 +103,20 @@ def runs_jobs_here():
     if "SLURM_STEP_ID" in os.environ:
         return True
     return "SLURM_JOB_ID" in os.environ and executor_on_command_line() not in ("slurm", "slurm-jobstep")
+
+
+def check_local_jobs():
+    """Stops the run before its first job if a training or sampling job that runs on this machine
+    (a local run; on SLURM, the local rules only) could not start here: `train.device: cuda` without
+    a GPU, `train.nodes: 2` outside an allocation, more processes than GPUs. The job itself would
+    refuse too, after DVC removed its outputs (src/ddpmrepro/pipeline/jobs_here.py)."""
+    if not workflow.is_main_process:
+        return
+    needed = {job.rule.name for job in workflow.dag.needrun_jobs()}
+    here = [st for st in STAGES if st.rule in needed and (workflow.local_exec or st.local)]
+    problems = check_jobs_here(here, os.environ)
+    if problems:
+        raise SystemExit("\n".join(f"Error: {p}" for p in problems))
 
 
 def stage_log(st):
