@@ -448,6 +448,42 @@ def test_noise_scale_off_means_no_gns_values_even_where_the_buckets_halves_could
     assert len(off_levels) == 2 and off_levels["trace"].tolist() == on_levels["trace"].tolist()
 
 
+def test_the_logged_b_simple_weighs_each_measurement_by_the_steps_since_the_previous_one(tmp_path):
+    """One batch a step: measured on the buckets' steps (1, 5 and 8), logged every 4 steps.
+    Truth: the documented rule applied to the steps table's own rows (avg <- d avg + (1 - d) x,
+    d = 0.5^(steps since the previous measurement / half-life)). Found from outside: the averages
+    were updated at the end of each log window, so step 1 weighed as 4 steps here (25 at the
+    defaults) and the window holding steps 5 and 8 as one measurement."""
+    from ddpmrepro.params import IntrospectParams
+    from ddpmrepro.training.introspect import read_table
+
+    model, batch = tiny_model(), 16
+    ip = IntrospectParams(every=0, steps=[1, 5, 8], noise_buckets=2, modules=["out"])
+    stats, ns, intro = introspection_of(model, ip, last=8, batch=batch)
+    intro.open_tables(tmp_path, 0)
+    logged = {}
+    with intro, ns:
+        for done in range(1, 9):
+            instrumented_step(model, stats, ns, intro, done, *example_set(batch, seed=done))
+            model.zero_grad(set_to_none=True)
+            if done % 4 == 0:
+                logged[done] = ns.log_values(stats.means(), step=done)
+    intro.close()
+    rows = read_table(tmp_path, "steps").dropna(subset=["gns_g2"])
+    assert rows["step"].tolist() == [1, 5, 8]
+    want, by_rule = {}, SmoothedRatio(100)
+    for step, g2, trace in rows[["step", "gns_g2", "gns_trace"]].itertuples(index=False):
+        by_rule.update(g2, trace, step=step)
+        want[step] = by_rule.value()
+    assert logged[4]["gns_b_simple"] == pytest.approx(want[1], rel=1e-12)
+    assert logged[8]["gns_b_simple"] == pytest.approx(want[8], rel=1e-12)
+    assert logged[8]["gns_g2"] == pytest.approx(rows["gns_g2"].iloc[1:].mean(), rel=1e-12)  # the window's mean
+    at_log_steps = SmoothedRatio(100)  # what was logged before: the windows' means at the windows' ends
+    at_log_steps.update(rows["gns_g2"].iloc[0], rows["gns_trace"].iloc[0], step=4)
+    at_log_steps.update(rows["gns_g2"].iloc[1:].mean(), rows["gns_trace"].iloc[1:].mean(), step=8)
+    assert at_log_steps.value() != pytest.approx(want[8], rel=1e-3)  # the data tell the two apart
+
+
 def test_the_buckets_measure_on_their_own_cadence_and_nothing_on_the_other_recorded_steps(tmp_path, monkeypatch):
     """Every step recorded; the buckets' extra passes only on multiples of noise_levels_every, on
     `steps` and on the last step; their rows are those steps'."""

@@ -134,6 +134,7 @@ class Introspection:
             # one batch per step: the noise scale comes from the halves of the recorded steps
             self.stats.report("gns_g2", torch.tensor([halves[0]], dtype=torch.float64))
             self.stats.report("gns_trace", torch.tensor([halves[1]], dtype=torch.float64))
+            self.noise_scale.measured(*halves, step=done)
         g2, trace = gns_step if all(map(math.isfinite, gns_step)) else halves
         if self.main:
             param_rows, step_row = self.grads.finish(**step_values)
