@@ -265,3 +265,27 @@ def test_a_sums_file_naming_a_file_outside_its_directory_is_not_a_sums_file(tmp_
     sums.write_text(sums.read_text() + "0" * 64 + "  ../../params.yaml\n")
     with pytest.raises(CheckpointError, match="SHA256SUMS: not a SHA256SUMS file \\(line '0+  ../../params"):
         verify_sums(tmp_path / "introspect")
+
+
+def test_the_step_axes_of_a_short_run_tick_whole_steps_only(tmp_path, monkeypatch):
+    """Found from outside: a run recording steps 2 and 4 had 2.00, 2.25, ... 4.00 under its top-k and
+    total-norm lines. Every figure's step axis (but the heatmaps', which label their columns) ticks
+    whole numbers, and still several of them."""
+    from ddpmrepro.evaluation import report
+
+    synthetic_run(tmp_path / "introspect", n_blocks=2, steps=[2, 4])
+    metrics = tmp_path / "live" / "plots" / "metrics"
+    metrics.mkdir(parents=True)
+    pd.DataFrame({"timestamp": [0, 1], "step": [2, 4], "loss": [1.0, 0.5]}).to_csv(metrics / "loss.tsv", sep="\t",
+                                                                                   index=False)
+    figures = {}
+    save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.setdefault(path.name, fig) and save(fig, path))
+    make_report(tmp_path / "introspect", tmp_path / "live", tmp_path / "figs", ReportParams(top_k=3))
+    step_axes = [(name, ax) for name, fig in figures.items() if "heatmap" not in name
+                 for ax in fig.axes if ax.get_xlabel() == "step"]
+    assert {name for name, _ in step_axes} == {"grad_norm_topk.png", "total_grad_norm.png", "training_curves.png"}
+    for name, ax in step_axes:
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert len(ticks) >= 2 and all(t == round(t) for t in ticks), (name, ticks)

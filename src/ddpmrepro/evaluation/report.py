@@ -87,6 +87,13 @@ def _log10(a: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(v), v, np.nan)
 
 
+def _step_axis(ax, **label) -> None:
+    """x is the step: a whole number of updates (matplotlib's own ticks put 2.25 between 2 and 4
+    on a short run's figures, found from outside); its ticks as matplotlib's AutoLocator places them."""
+    ax.set_xlabel("step", **label)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins="auto", steps=[1, 2, 2.5, 5, 10], integer=True))
+
+
 def _heatmap(table: pd.DataFrame, value: str, title: str, cbar: str, path: Path) -> Path:
     wide = table.pivot_table(index="label", columns="step", values=value, aggfunc="first", observed=True, dropna=False)
     z = _log10(wide.to_numpy())
@@ -100,7 +107,7 @@ def _heatmap(table: pd.DataFrame, value: str, title: str, cbar: str, path: Path)
     # 12 on 7 inches ran together ("100110120").
     ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 12, int(width * 0.75))).round().astype(int))
     ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
-    ax.set_xlabel("step")
+    ax.set_xlabel("step")  # its own ticks: the columns of the recorded steps
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label=cbar)
     return _save(fig, path)
@@ -114,7 +121,7 @@ def _topk_lines(ax, table: pd.DataFrame, value: str, k: int, title: str) -> None
         # a log axis; matplotlib drew it as a drop to the bottom. A gap instead.
         ax.plot(d["step"], d[value].where(d[value] > 0), marker=".", ms=3, lw=1, label=str(label))
     ax.set_yscale("log")
-    ax.set_xlabel("step")
+    _step_axis(ax)
     ax.set_title(title)
     ax.legend(fontsize=6, loc="best")
 
@@ -134,7 +141,7 @@ def _total_norm(steps: pd.DataFrame, path: Path) -> Path:
         ax.axvline(st, color="tab:red", alpha=0.5, lw=1, label=f"skipped ({len(sk)})" if i == 0 else None)
     if (finite["total_grad_norm"] > 0).all() and len(finite):
         ax.set_yscale("log")
-    ax.set_xlabel("step")
+    _step_axis(ax)
     ax.set_ylabel("L2 norm")
     ax.set_title("Global gradient norm")
     ax.legend(fontsize=7)
@@ -158,11 +165,11 @@ def _noise_level_shares(levels: pd.DataFrame, path: Path) -> Path:
         ax_norm.plot(rows["step"], rows["grad_norm"], lw=1, marker=".", ms=3, label=label)
     ax_share.axhline(0, color="k", lw=0.5)
     ax_share.set_title("Share of the update by noise level (sums to 1; < 0: against the step)")
-    ax_share.set_xlabel("step")
+    _step_axis(ax_share)
     ax_share.legend(fontsize=7, title="bucket (0 = least noise)", title_fontsize=7)
     ax_norm.set_yscale("log")
     ax_norm.set_title("Gradient norm of each noise level's part |G_b|")
-    ax_norm.set_xlabel("step")
+    _step_axis(ax_norm)
     return _save(fig, path)
 
 
@@ -194,7 +201,7 @@ def _noise_scale(metrics: dict[str, pd.DataFrame], steps: pd.DataFrame, path: Pa
     if b is not None:
         ax_b.plot(b["step"], b["value"], lw=1.5, label="B_simple (smoothed)")
     ax_b.set_title("Gradient noise scale B_simple = tr(Σ) / |G|²")
-    ax_b.set_xlabel("step")
+    _step_axis(ax_b)
     ax_b.set_ylabel("examples")
     ax_b.legend(fontsize=7)
     for name, color in (("gns_g2", "tab:blue"), ("gns_trace", "tab:orange")):
@@ -206,7 +213,7 @@ def _noise_scale(metrics: dict[str, pd.DataFrame], steps: pd.DataFrame, path: Pa
     ax_terms.axhline(0, color="k", lw=0.5)
     ax_terms.set_yscale("symlog")
     ax_terms.set_title("Unbiased |G|² and tr(Σ) (|G|² can be < 0 on one step)")
-    ax_terms.set_xlabel("step")
+    _step_axis(ax_terms)
     ax_terms.legend(fontsize=7)
     return _save(fig, path)
 
@@ -279,7 +286,7 @@ def _training_curves(metrics: dict[str, pd.DataFrame], path: Path) -> Path:
         if (df["value"] > 0).all() and name.split("/")[-1].startswith(("loss", "mse", "vb", "grad_norm")):
             ax.set_yscale("log")
         ax.set_title(name, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
+        _step_axis(ax, fontsize=8)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     return _save(fig, path)
