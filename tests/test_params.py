@@ -122,11 +122,17 @@ def test_docs_params_md_is_generated_from_the_dataclasses_and_current():
     committed = (ROOT / "docs" / "PARAMS.md").read_text()
     assert committed == made, "regenerate: PYTHONPATH=src python -m ddpmrepro.params --markdown > docs/PARAMS.md"
     # one row per key, with its default as the dataclasses give it
+    shipped = yaml.safe_load((ROOT / "params.yaml").read_text())
     for section, sub in P.Params().to_dict().items():
         for key, default in sub.items():
             (row,) = [ln for ln in made.splitlines() if ln.startswith(f"| `{section}.{key}` |")]
             shown = row.split(" | ")[2].strip("`")
             assert yaml.safe_load(shown if shown != "''" else '""') == default, row
+            # the shipped params.yaml's own value, where it is another (found from outside: sample.sampler)
+            value = (shipped.get(section) or {}).get(key, default)
+            assert ("**params.yaml: " in row) == (value != default), row
+            if value != default:
+                assert row.endswith(f"**params.yaml: `{value}`.** |"), row
     assert "docs/PARAMS.md" in (ROOT / "params.yaml").read_text()
 
 
