@@ -545,6 +545,12 @@ def test_iddpms_samplers_that_never_leave_uniform_are_named_before_the_run_and_a
     assert all(torch.equal(uniform[first - 1][k], lsm[first - 1][k]) for k in lsm[first - 1]), "it left uniform early"
     assert not all(torch.equal(uniform[first][k], lsm[first][k]) for k in lsm[first]), "it did not leave uniform"
     assert "drew uniformly" not in errs["loss-second-moment"]  # its last step drew by importance
+    # Rerun: it resumes the finished run and draws nothing, and must not say it drew uniformly (found
+    # from outside: the flag was not checkpointed)
+    params = tmp_path / "loss-second-moment.yaml"
+    proc = subprocess.run(train_cmd(tmp_path / "loss-second-moment", data, params, 1), env=env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "drew uniformly" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_the_end_note_names_a_run_that_drew_uniformly_all_along():
@@ -561,6 +567,9 @@ def test_the_end_note_names_a_run_that_drew_uniformly_all_along():
             assert sampler.warmed_up()  # full after step 17's update in both
             note = sampler.end_note(steps)
             assert (note is None) == drew, note
+            resumed = create_sampler(name, 10)  # a finished run resumed: no draw left
+            resumed.load_state_dict(sampler.state_dict())
+            assert resumed.end_note(steps) == note
             if not drew:
                 assert note == (f"note: train.timestep_sampler '{name}' drew uniformly all 17 steps: its history "
                                 "(10 values at every t) was not full before its last draw; train longer or with a "

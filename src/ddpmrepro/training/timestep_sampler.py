@@ -91,7 +91,8 @@ class LossSecondMomentSampler(UniformSampler):
         self.loss_history = np.zeros((num_timesteps, history), dtype=np.float64)
         self.loss_counts = np.zeros(num_timesteps, dtype=np.int64)
         # Whether a draw of this process came after the warm-up (a history full only after the last
-        # update drew nothing). Not checkpointed: a stopped run has draws left, and a full history stays full.
+        # update drew nothing). Checkpointed: a finished run resumed draws nothing, and said it drew
+        # uniformly all along (found from outside).
         self.drew_by_importance = False
 
     def warmed_up(self) -> bool:
@@ -142,7 +143,8 @@ class LossSecondMomentSampler(UniformSampler):
     def state_dict(self) -> dict:
         # tensors, not numpy arrays: checkpoints load with weights_only=True
         return {"loss_history": torch.from_numpy(self.loss_history.copy()),
-                "loss_counts": torch.from_numpy(self.loss_counts.copy())}
+                "loss_counts": torch.from_numpy(self.loss_counts.copy()),
+                "drew_by_importance": torch.tensor(self.drew_by_importance)}
 
     def load_state_dict(self, state: dict) -> None:
         hist = state["loss_history"].numpy()
@@ -150,6 +152,7 @@ class LossSecondMomentSampler(UniformSampler):
             raise ValueError(f"sampler history has shape {tuple(hist.shape)}, expected {self.loss_history.shape}")
         self.loss_history = hist.astype(np.float64).copy()
         self.loss_counts = state["loss_counts"].numpy().astype(np.int64).copy()
+        self.drew_by_importance = bool(state["drew_by_importance"])
 
 
 class OutputGradNormSampler(LossSecondMomentSampler):
