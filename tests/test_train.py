@@ -1062,3 +1062,32 @@ def test_train_puts_its_three_outputs_in_place_only_once_all_are_written(tmp_pat
     assert CliRunner().invoke(main, cmd).exit_code == 0  # and the next export puts all three in place
     after = state()
     assert all(a[0] != b[0] and a[1] == b[1] for a, b in zip(after, before))
+
+
+@pytest.mark.slow
+def test_two_processes_wait_together_for_another_training_of_the_same_run(tmp_path, prepared):
+    """DDP: rank 0 waits for the run lock while rank 1 polls with it (one tiny all-reduce a second),
+    so no rank sits in a collective past its timeout; once free, both resume the run (here finished)."""
+    from ddpmrepro.training.checkpoint import RunLock
+
+    params = write_params(tmp_path / "p.yaml", train={**BY_NPROC[2], "steps": 2, "checkpoint_every": 2})
+    run = tmp_path / "run"
+    run_train(run, prepared, params, 2)
+    (ckpt_dir,) = (run / "ckpt").glob("*/*")
+    model = (run / "model" / "model.safetensors").read_bytes()
+    log = tmp_path / "second.err"
+    with RunLock(ckpt_dir), open(log, "w") as err:
+        proc = subprocess.Popen(train_cmd(run, prepared, params, 2), env={**env(), "DDPMREPRO_CPU_SLOTS": "0"},
+                                stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 300
+            while "waiting for process" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            time.sleep(3)  # both ranks polling meanwhile
+            assert proc.poll() is None, f"it did not wait (exit {proc.returncode}): {log.read_text()[-2000:]}"
+            assert log.read_text().count("waiting for process") == 1  # rank 0 says it, once
+        except BaseException:
+            proc.kill()
+            raise
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert (run / "model" / "model.safetensors").read_bytes() == model

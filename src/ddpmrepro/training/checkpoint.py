@@ -172,13 +172,15 @@ class CheckpointIO:
 
 
 class RunLock:
-    """An exclusive, non-blocking flock on <dir>/.lock; released when the process dies."""
+    """An exclusive flock on <dir>/.lock, released when the process dies. Entered, it refuses a
+    directory another process holds; `try_lock` says whether it got it (the training waits)."""
 
     def __init__(self, directory: Path):
         self.path = Path(directory) / ".lock"
         self._fd = None
 
-    def __enter__(self):
+    def try_lock(self) -> bool:
+        """Takes the lock if no other process holds it; False if one does."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
@@ -186,7 +188,7 @@ class RunLock:
         except BlockingIOError:
             os.close(self._fd)
             self._fd = None
-            raise CheckpointError(f"{self.path.parent}: another process is training into this run directory; wait for it or stop it") from None
+            return False
         except OSError as e:  # no flock on this filesystem (Lustre mounted without -o flock, some NFS setups)
             os.close(self._fd)
             self._fd = None
@@ -194,10 +196,25 @@ class RunLock:
                                   "--checkpoints on one that has (Lustre: mount with -o flock; see docs/CLUSTER.md)") from None
         os.ftruncate(self._fd, 0)
         os.write(self._fd, json.dumps({"pid": os.getpid()}).encode())
-        return self
+        return True
 
-    def __exit__(self, *exc):
+    def holder(self) -> str:
+        """The pid the holder wrote ("?" if unreadable): for a message, not a decision."""
+        try:
+            return str(int(json.loads(self.path.read_text())["pid"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return "?"
+
+    def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+    def __enter__(self):
+        if not self.try_lock():
+            raise CheckpointError(f"{self.path.parent}: another process is training into this run directory; wait for it or stop it")
+        return self
+
+    def __exit__(self, *exc):
+        self.release()

@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,7 +238,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                                    summary=last, tables=introspection, **weighting.checkpoint_entries())
     if not restart:
         _refuse_interrupted_run_of_other_code(ckpt_dir, p.steps)
-    with ckpt.RunLock(ckpt_dir) if main else contextlib.nullcontext():
+    with _run_directory(ckpt_dir, main):
         if main:
             ckpt.remove_stale_temp_files(ckpt_dir)  # of writers killed mid-write (we hold the lock now)
         # After a rank failure, `torchrun --max-restarts` relaunches the same command: resume from
@@ -426,6 +427,28 @@ def _report_resume(latest: Path, step: int, saved: dict, p, ckpt_dir: Path) -> N
               f"curves logged every {logged} steps (and its final loss the mean of the last {logged}): nothing "
               f"is retrained. For the new cadence, delete {ckpt_dir} and train again (to the same weights)",
               file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _run_directory(ckpt_dir: Path, main: bool):
+    """The run directory to this training alone (rank 0 holds its lock). Another process training
+    the same run (the same params, data and code: two queued experiments that differ only in how they
+    sample) is waited for, not refused: what it leaves is this run's, resumed or finished. (Refused,
+    the README's sweep of 2 lr x 2 guidance failed one experiment of four under `dvc queue start -j 2`;
+    found from outside.) Every rank polls with rank 0, so none waits in a collective past its timeout."""
+    lock = ckpt.RunLock(ckpt_dir) if main else None
+    waiting = False
+    while _agree(not lock.try_lock() if main else False):
+        if main and not waiting:
+            print(f"waiting for process {lock.holder()}, which is training this same run (params, data and code) "
+                  f"into {ckpt_dir}: its checkpoints are this run's", file=sys.stderr, flush=True)
+        waiting = True
+        time.sleep(1.0)
+    try:
+        yield
+    finally:
+        if main:
+            lock.release()
 
 
 def _agree(flag: bool) -> bool:
