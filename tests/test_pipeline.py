@@ -593,6 +593,7 @@ def test_snakemake_report_holds_every_figure_with_its_caption(repo):
     run(repo, "snakemake", "--report", "report.html")
     page = (repo / "report.html").read_text()
     assert "Class-conditional DDPM/IDDPM trained and evaluated by ddpmrepro" in page  # workflow.rst
+    assert "System Message" not in page and 'class="problematic"' not in page  # captions parse (found from outside)
     results = json.loads(re.search(r"var results = (\{.*?\});\n", page, re.S).group(1))
     by_name = {r["filename"]: r for r in results.values()}
     expected = {"samples/grid.png": "samples.rst", "reports/metrics.html": "metrics.rst",
