@@ -282,6 +282,45 @@ def test_an_edit_of_an_image_folder_alone_is_refused_before_dvc_removes_the_prep
     assert json.loads((repo / "data/prepared/manifest.json").read_text())["class_names"] == ["a", "b", "c", "d"]
 
 
+def test_a_training_from_scratch_gives_every_cached_output_its_recorded_hash(repo):
+    """Found from outside: dvclive's metrics.json and reports/figures held the throughput, so a fresh
+    clone's `make repro` gave them new hashes, its cache never held the versions of the committed
+    dvc.lock, and the documented undo (`git reset --hard`, then `dvc checkout`) failed for them.
+    Trained again from scratch (its checkpoints moved away), every DVC-cached output of train and
+    report gets the hash dvc.lock recorded; only git's timing files (images/s) differ."""
+    import shutil
+
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
+    gits = {path for name in ("train", "report") for kind in ("outs", "plots", "metrics")
+            for o in stages[name].get(kind) or [] if isinstance(o, dict)
+            for path, opts in o.items() if (opts or {}).get("cache") is False}
+    assert gits == {"reports/train/live/plots/metrics"}  # the throughput's TSV is there: git's
+
+    def cached_outs(lock: dict) -> dict[str, str]:
+        return {o["path"]: o["md5"] for name in ("train", "report") for o in lock["stages"][name]["outs"]
+                if o["path"] not in gits}
+
+    # evaluate copies the throughput from git's TSV into the detail file
+    tsv = (repo / "reports/train/live/plots/metrics/images_per_sec.tsv").read_text().splitlines()
+    detail = json.loads((repo / "reports/metrics_detail.json").read_text())
+    assert detail["train"]["images_per_sec"] == float(tsv[-1].split("\t")[1]) > 0
+    before = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert "reports/train/live/metrics.json" in cached_outs(before) and "reports/figures" in cached_outs(before)
+    kept = repo.parent / "checkpoints-kept"
+    shutil.move(repo / "checkpoints", kept)
+    try:
+        out = run(repo, "dvc", "repro", "-f", "-s", "train").stdout + run(repo, "dvc", "repro", "-f", "-s", "report").stdout
+        assert "resuming" not in out  # trained from step 0
+        after = yaml.safe_load((repo / "dvc.lock").read_text())
+        assert cached_outs(after) == cached_outs(before)
+        live = json.loads((repo / "reports/train/live/metrics.json").read_text())
+        assert "images_per_sec" not in live and "loss" in live
+    finally:
+        shutil.rmtree(repo / "checkpoints", ignore_errors=True)
+        shutil.move(kept, repo / "checkpoints")
+    assert "Data and pipelines are up to date" in run(repo, "dvc", "status").stdout
+
+
 def test_lr_edit_reruns_train_and_downstream_only(repo):
     set_param(repo, "train", "lr", 1e-3)
     status = run(repo, "dvc", "status", "--json").stdout

@@ -13,7 +13,7 @@ directory is an error, not an empty report):
 * `noise_scale.png`          the gradient noise scale B_simple, |G|² and tr(Σ)
 * `loss_weight.png`          the learned loss weighting u(t) at up to 8 logged steps (`loss_weight` table;
                              only under `diffusion.loss_weighting: learned`)
-* `training_curves.png`      every dvclive metric in `live_dir/plots/metrics/**/*.tsv`
+* `training_curves.png`      every dvclive metric in `live_dir/plots/metrics/**/*.tsv` but images/s
 
 `FIGURES` names them all. The directory is replaced whole (`files.replacing_dir`), so it shows one
 run: never a figure of an earlier report that this one does not draw (loss_weight.png after `learned`
@@ -387,7 +387,11 @@ def _draw(out: Path, pg, ag, st, metrics, introspect_dir: Path, params: ReportPa
     weighting = read_table(introspect_dir, "loss_weight")  # rows only under loss_weighting: learned
     if len(weighting):
         written.append(_save(loss_weight_figure(weighting), out / "loss_weight.png"))
-    written.append(_training_curves(metrics, out / "training_curves.png"))
+    # Not the throughput: a timing would give reports/figures (a DVC cached out) new bytes on every
+    # rerun, and a fresh clone's cache would never hold the committed version (found from outside).
+    # `dvc plots show` draws it from its TSV.
+    written.append(_training_curves({k: v for k, v in metrics.items() if k != "images_per_sec"},
+                                    out / "training_curves.png"))
     return written
 
 

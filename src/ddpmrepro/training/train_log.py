@@ -13,6 +13,9 @@ from pathlib import Path
 from .. import files
 
 
+TIMING = "images_per_sec"  # the one logged value that measures the wall clock
+
+
 class TrainLog:
     """`log(done, summary)` at log steps; `images_per_sec` is measured here, between two log steps."""
 
@@ -43,6 +46,10 @@ class TrainLog:
         for k, v in summary.items():
             if k != "step":
                 self.live.log_metric(k, v)
+        # The throughput is plotted (its TSV is git's), but kept out of dvclive's metrics.json, a DVC
+        # cached out: a timing there gave it new bytes on every rerun, so a fresh clone's cache never
+        # held the committed dvc.lock's version and `dvc checkout` failed for it (found from outside).
+        self.live.summary.pop(TIMING, None)
         self.live.next_step()
         self.progress(done, summary)
 
