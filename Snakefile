@@ -8,7 +8,7 @@
 import yaml
 from snakemake.utils import min_version
 
-from ddpmrepro.pipeline.check_params import check_params_file
+from ddpmrepro.pipeline.check_params import check_params_file, put_back_resolved, resolved_as_they_are
 from ddpmrepro.pipeline.dvc_bridge import is_dry_run
 
 min_version("9.0")
@@ -33,6 +33,7 @@ with open("params.yaml") as _f:
 # own parse only reads them (where they match, it skips building the network: no torch import).
 # A dry run (-n) writes nothing: each stage's `params:` in dvc.yaml already makes DVC's status see
 # an edit of its sections; only a default changed in the code is seen by the real run alone.
+RESOLVED_BEFORE = resolved_as_they_are("reports/params")  # put back if the run is refused in onstart
 check_params_file("params.yaml", "reports/params", write=workflow.is_main_process and not is_dry_run(workflow))
 
 
@@ -43,8 +44,12 @@ include: "workflow/rules/dvc_stages.smk"
 # Before the first job: on SLURM, stop if a job could never start or be seen to end; locally, if a
 # training or sampling job could not start on this machine (before DVC removes its outputs).
 onstart:
-    check_slurm_jobs()
-    check_local_jobs()
+    try:
+        check_slurm_jobs()
+        check_local_jobs()
+    except SystemExit:
+        put_back_resolved("reports/params", RESOLVED_BEFORE)  # a refused run changes no output
+        raise
 
 
 # On SLURM a failed job shows here only as "SLURM status is: 'FAILED'" and its log's path (found

@@ -56,6 +56,27 @@ def write_resolved(params: Params, out_dir: Path) -> list[Path]:
     return written
 
 
+def resolved_as_they_are(out_dir: Path) -> dict[Path, tuple[bytes, int]]:
+    """The resolved files' bytes and mtimes, for `put_back_resolved` (the Snakefile writes them at
+    parse time, before it knows whether the run will start)."""
+    return {path: (path.read_bytes(), path.stat().st_mtime_ns)
+            for path in section_files(Path(out_dir)).values() if path.is_file()}
+
+
+def put_back_resolved(out_dir: Path, before: dict[Path, tuple[bytes, int]]) -> None:
+    """A run refused before its first job leaves the resolved files as they were (found from outside:
+    a refused `snakemake` left reports/params/train.yaml saying `device: cuda`, and `dvc status`
+    then showed train stale after params.yaml was put back)."""
+    for path in section_files(Path(out_dir)).values():
+        if path in before:
+            data, mtime = before[path]
+            if not path.is_file() or path.read_bytes() != data:
+                atomic_write_text(path, data.decode())
+                os.utime(path, ns=(mtime, mtime))
+        elif path.is_file():
+            path.unlink()
+
+
 def check_ema_length(length: float, at_step: int, train) -> None:
     """`sample.ema_length` (as it stood after `at_step`, 0 = the last step) must be a length the run of
     `train` (TrainParams) can make: it keeps post-hoc EMA snapshots, and they make that profile closely
