@@ -527,6 +527,7 @@ def test_a_second_process_training_the_same_run_waits_for_the_first_and_takes_wh
             proc.kill()
             raise
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert "run found finished at step 3" in log.read_text() and "resuming" not in log.read_text()
     after = snapshot(run)
     assert {k: v for k, v in after.items() if k.startswith("model/")} == \
         {k: v for k, v in before.items() if k.startswith("model/")}

@@ -420,7 +420,10 @@ def _report_resume(latest: Path, step: int, saved: dict, p, ckpt_dir: Path) -> N
     cadence from then on), so a run found finished hands back the curves it logged, and
     metrics.json's final loss is the mean of that cadence's last window: say so when the params
     (`p`, TrainParams) ask for another than the checkpoint's (`saved`, its params)."""
-    log.info("resuming from %s (step %d)", latest, step)
+    if step >= p.steps:  # a rerun, or a training that waited for another of the same run
+        log.info("run found finished at step %d (%s): nothing to train, its weights are exported", step, latest)
+    else:
+        log.info("resuming from %s (step %d)", latest, step)
     logged = (saved.get("train") or {}).get("log_every")
     if step >= p.steps and isinstance(logged, int) and logged != p.log_every:
         print(f"note: train.log_every is {p.log_every}, but this run was found finished at step {step} with its "
