@@ -18,10 +18,10 @@ from ddpmrepro.pipeline.check_params import check_params_file
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def check(tmp_path: Path, params: str) -> subprocess.CompletedProcess:
-    (tmp_path / "params.yaml").write_text(params)
-    return subprocess.run([sys.executable, "-m", "ddpmrepro.cli", "check-params", "--out", "resolved"], cwd=tmp_path,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
+def check(tmp_path: Path, params: str, name: str = "params.yaml") -> subprocess.CompletedProcess:
+    (tmp_path / name).write_text(params)
+    return subprocess.run([sys.executable, "-m", "ddpmrepro.cli", "check-params", "--params", name, "--out", "resolved"],
+                          cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
 
 
 def test_writes_every_section_resolved_and_rewrites_only_what_changed(tmp_path):
@@ -67,6 +67,11 @@ def test_the_snakefile_check_exits_like_the_stages(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"Error: {tmp_path / 'params.yaml'}: train.bogus_key: unknown key")
     (tmp_path / "params.yaml").write_text("train:\n  lr: 0.001\n")
     assert check_params_file(tmp_path / "params.yaml").train.lr == 0.001
+    # An upsampler in the project's pipeline, whose sample stage takes base models: refused as check-params does.
+    (tmp_path / "params.yaml").write_text("superres:\n  low_res: 4\n")
+    with pytest.raises(SystemExit):
+        check_params_file(tmp_path / "params.yaml")
+    assert "superres.low_res: 4 would train an upsampler" in capsys.readouterr().err
 
 
 def test_the_snakefile_refreshes_the_directory_the_stage_writes():
@@ -104,6 +109,8 @@ BY_PARAMS = {  # site -> [(params.yaml, the key the one line names)]
     "evaluation/superres.py:sample_superres#1": [({"data": {"image_size": 28}, "superres": {"low_res": 12,
                                                                                              "project": True}},
                                                   "superres.project")],
+    # (the project's pipeline samples with `ddpmrepro sample`; the cascade's files are not params.yaml)
+    "evaluation/sample.py:sample": [({"superres": {"low_res": 4}}, "superres.low_res")],
     "evaluation/superres.py:sample_superres#2": [({"superres": {"noise_aug": 0.1, "sample_noise_aug": 0.2}},
                                                   "superres.sample_noise_aug")],
     "training/recording.py:gradient_recorders#0": [({"introspect": {"params": ["nothing.*"]}},
@@ -143,8 +150,6 @@ BY_OTHER_INPUTS = {  # site -> what it reads besides params.yaml
     "model_dir.py:reconstruct#0": "the snapshots' update counts (every step skipped under fp16)",
     "model_dir.py:reconstruct#2": "the snapshot files' tensors",
     "evaluation/sample.py:check_guidance#0": "the imported model's config.json (whether it has a trained null label)",
-    "evaluation/sample.py:sample": "which command samples the model (sample or sample-superres): the cascade's "
-                                   "stages, not params.yaml",
     "evaluation/superres.py:low_res_inputs#0": "the command line (--data)",
     "evaluation/superres.py:low_res_inputs#1": "the prepared data's image size",
     "evaluation/superres.py:low_res_inputs#2": "the prepared data's test images per class (sample.per_class)",
@@ -200,9 +205,11 @@ def test_every_stage_refusal_is_listed():
 def test_each_refusal_of_params_alone_fails_check_params_with_one_line(tmp_path, raw, key):
     assert check(tmp_path, "{}\n").returncode == 0
     before = {p: p.read_bytes() for p in (tmp_path / "resolved").iterdir()}
-    proc = check(tmp_path, yaml.safe_dump(raw))
+    # An upsampler's params are a file of the cascade's (params.yaml, the project pipeline's, refuses one).
+    name = "upsampler.yaml" if raw.get("superres", {}).get("low_res") and key != "superres.low_res" else "params.yaml"
+    proc = check(tmp_path, yaml.safe_dump(raw), name)
     lines = proc.stderr.splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"Error: params.yaml: {key}"), proc.stderr
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"Error: {name}: {key}"), proc.stderr
     assert {p: p.read_bytes() for p in (tmp_path / "resolved").iterdir()} == before
 
 

@@ -296,3 +296,17 @@ def test_a_directory_holding_only_dvcs_gitignore_is_replaced_and_the_gitignore_k
     with pytest.raises(OutputRefused, match="is not empty and is not a test output"):
         with F.replacing_dir(theirs, KIND):
             pass
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_weights_and_texts_get_the_mode_the_umask_gives_as_open_would(tmp_path, umask):
+    """safetensors creates its files 0600 whatever the umask: a model directory, an export or a DVC
+    cache on a shared cluster was unreadable to the group (found from outside)."""
+    code = (f"import os, stat, sys; os.umask({umask}); sys.path.insert(0, {str(F.__file__.rsplit('/ddpmrepro', 1)[0])!r})\n"
+            "import torch\nfrom ddpmrepro import files\n"
+            f"files.save_weights({{'w': torch.zeros(3)}}, {str(tmp_path / 'w.safetensors')!r})\n"
+            f"files.atomic_write_text({str(tmp_path / 'c.json')!r}, '{{}}')\n"
+            f"open({str(tmp_path / 'plain')!r}, 'w').close()\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()}
+    assert modes == dict.fromkeys(["w.safetensors", "c.json", "plain"], oct(0o666 & ~umask)), modes

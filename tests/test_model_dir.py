@@ -29,7 +29,7 @@ def tiny(seed: int) -> torch.nn.Module:
 
 def config(ema_rates: list[float]) -> dict:
     # The key order of train's config.json: part of the bytes DVC hashes.
-    return {"params": PARAMS.to_dict(), "data": data_section(MANIFEST), "data_sha256": MANIFEST["files"],
+    return {"params": P.trained_dict(PARAMS), "data": data_section(MANIFEST), "data_sha256": MANIFEST["files"],
             "code_version": "c", "run_hash": "r", "ema_rates": ema_rates, "final": {"loss": 0.5}, "torch": "t"}
 
 
@@ -44,12 +44,46 @@ def test_written_whole_and_read_back(tmp_path):
     assert read_config(out) == {**config([0.999]), "checksums": "SHA256SUMS"}
     for rate, net in ((0, raw), (0.999, ema)):
         model, trained, _ = load_model(out, rate)
-        assert trained == PARAMS and not model.training
+        assert P.trained_dict(trained) == P.trained_dict(PARAMS) and not model.training
         assert all(torch.equal(v, net.state_dict()[k]) for k, v in model.state_dict().items())
     # A rewrite replaces the whole directory: nothing of the old one stays.
     write_model(out, config([]), raw.state_dict(), {})
     assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "config.json", "model.safetensors"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["ddpm"]
+
+
+def test_config_keeps_the_trained_params_alone_and_reads_them_without_the_sampling_ones(tmp_path):
+    """config.json holds what `train` read: two experiments that train the same weights and sample them
+    otherwise get the same model directory (DVC's hash: nothing after train runs again). A model of
+    T=20 steps reads back although the default `sample.respacing` (ddim50) cannot respace 20 steps:
+    the sampling params are the stage's, checked there, never the model's."""
+    few = P.from_dict({**PARAMS.to_dict(), "diffusion": {"timesteps": 20},
+                       "sample": {"respacing": "ddim5", "guidance": 3.0}})
+    stored = P.trained_dict(few)
+    assert list(stored) == ["data", "model", "diffusion", "train", "introspect", "superres"]
+    assert list(stored["superres"]) == ["low_res", "quantise", "noise_aug"]
+    other = P.from_dict({**few.to_dict(), "sample": {"respacing": "ddim10", "sampler": "ddpm"},
+                         "evaluate": {"bpd_images": 10}, "report": {"top_k": 3},
+                         "superres": {"sample_noise_aug": 0.05, "project": True}})
+    assert P.trained_dict(other) == stored
+    with pytest.raises(P.ParamsError, match="sample.respacing"):  # what a whole-params reader refused
+        P.from_dict(stored)
+    back = P.trained_from_dict(stored)
+    assert P.trained_dict(back) == stored and back.diffusion.timesteps == 20
+    write_model(tmp_path / "m", {**config([0.9]), "params": stored}, tiny(0).state_dict(), {0.9: tiny(1).state_dict()})
+    _, trained, _ = load_model(tmp_path / "m", 0.9)
+    assert P.trained_dict(trained) == stored
+    # A directory written before (the whole params in config.json) reads as it did.
+    write_model(tmp_path / "old", {**config([0.9]), "params": few.to_dict()}, tiny(0).state_dict(),
+                {0.9: tiny(1).state_dict()})
+    assert P.trained_dict(load_model(tmp_path / "old", 0.9)[1]) == stored
+    # A trained key out of range, a key of no section, or a cross-check of training, is still refused.
+    for bad, words in (({**stored, "train": {**stored["train"], "lr": -1.0}}, "train.lr: must be >"),
+                       ({**stored, "samplr": {}}, "samplr: unknown key"),
+                       ({**stored, "superres": {"low_res": 8}}, "superres.low_res: 8 is not below"),
+                       ({**stored, "superres": {"lowres": 2}}, "superres.lowres: unknown key")):
+        with pytest.raises(P.ParamsError, match=words):
+            P.trained_from_dict(bad)
 
 
 def test_the_file_names(tmp_path):

@@ -146,6 +146,20 @@ def test_a_graphed_network_keeps_one_graph_per_input_shape_and_hands_out_copies(
     assert len(graphed.entries) == 2  # (2, 1, 4, 4) and (3, 1, 4, 4)
 
 
+def test_fp16_on_a_cpu_is_named_as_slow_there_once_and_nothing_else_is(caplog):
+    """A GPU preset's fp16 on a laptop: one line that it has no fast path there (found from outside:
+    a training ran at 60 s a step without a word)."""
+    import logging
+
+    from ddpmrepro.runtime.autocast_network import note_slow_here
+
+    with caplog.at_level(logging.INFO, logger="ddpmrepro.runtime.autocast_network"):
+        for precision, device in (("fp32", "cpu"), ("bf16", "cpu"), ("fp16", "cuda"), ("fp16", "cpu")):
+            note_slow_here(precision, device, "train.precision")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["train.precision"]
+    assert "fp16 on a CPU" in caplog.records[0].getMessage()
+
+
 def test_an_autocast_network_computes_in_its_dtype_and_hands_out_float32():
     """What bf16 and fp16 mean for a linear layer, written out: inputs, weights and bias rounded to
     the dtype, the product in it; the output back as float32 for the solver."""

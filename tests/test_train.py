@@ -367,6 +367,31 @@ def test_another_log_every_on_a_finished_run_says_its_curves_keep_their_cadence(
 
 
 @pytest.mark.slow
+def test_a_run_found_finished_under_other_sampling_params_exports_the_same_model_directory(
+        tmp_path, prepared, straight_runs):
+    """Two experiments of the same training that sample otherwise (the README's sweep over guidance):
+    the second finds the run finished and exports it. Its model directory, config.json included, is
+    the first one's byte for byte, so DVC's hash is too and bits_per_dim is not run again for it;
+    config.json holds the sections train reads, none of the sampling ones."""
+    straight = straight_runs(1)
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    params = write_params(run / "p.yaml", sample={"respacing": "ddim10", "guidance": 2.5, "sampler": "ddim"},
+                          evaluate={"bpd_images": 7}, report={"top_k": 2},
+                          superres={"sample_noise_aug": 0.05, "project": True})
+    proc = subprocess.run(train_cmd(run, prepared, params, 1), env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "run found finished at step 8" in proc.stderr, proc.stderr[-3000:]
+
+    def files(model: Path) -> dict[str, bytes]:
+        return {f.relative_to(model).as_posix(): f.read_bytes() for f in sorted(model.rglob("*")) if f.is_file()}
+    assert files(run / "model") == files(straight / "model")
+    stored = json.loads((run / "model" / "config.json").read_text())["params"]
+    assert list(stored) == list(P.TRAINED_SECTIONS) and list(stored["superres"]) == list(P.SUPERRES_TRAIN_KEYS)
+    assert stored["diffusion"]["timesteps"] == 10 and stored["train"]["label_dropout"] == 0.2
+
+
+@pytest.mark.slow
 def test_dump_steps_are_recorded_steps_in_the_same_numbering(tmp_path, prepared):
     # Neither `every` nor `steps` names step 2: a dump step is recorded anyway, tables and dump alike.
     import pandas as pd

@@ -182,12 +182,15 @@ def check_params(params_path: Path, out: Path | None, data_dir: Path) -> None:
     The pipeline's first stage: DVC runs it before any other stage removes its outputs, so
     whatever a later stage would refuse of these params alone is refused here (check_pipeline).
     """
-    from .pipeline.check_params import check_data_source, check_pipeline, write_resolved
+    from .pipeline.check_params import check_base_pipeline, check_data_source, check_pipeline, write_resolved
 
     params = _load_params(params_path)
-    if out is None and Path(params_path).resolve() == Path("params.yaml").resolve():
+    pipelines_file = Path(params_path).resolve() == Path("params.yaml").resolve()
+    if out is None and pipelines_file:
         out = Path("reports/params")
     try:
+        if pipelines_file:  # dvc.yaml's (another file, e.g. cascade/upsampler.yaml, is checked as itself)
+            check_base_pipeline(params)
         check_pipeline(params, data_dir, checked=out)
         check_data_source(params, data_dir)
     except P.ParamsError as e:

@@ -89,6 +89,17 @@ def fsync_dir(path: Path) -> None:
 # --- one file --------------------------------------------------------------------------------------
 
 
+def _process_umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it: put back at once (at import, one thread)
+    os.umask(mask)
+    return mask
+
+
+# The mode a file created with open() gets. safetensors' writer creates its files 0600 whatever the
+# umask: a model directory, an export or a DVC cache on a shared cluster was unreadable to the group.
+FILE_MODE = 0o666 & ~_process_umask()
+
+
 def atomic_write(path: Path, write_to: Callable[[Path], None]) -> None:
     """Puts a file in place atomically: `write_to(tmp)` writes the temp sibling `.<name>.tmp.<pid>`
     (by path, for writers that open it themselves), which is then fsynced and renamed over `path`.
@@ -107,6 +118,7 @@ def atomic_write(path: Path, write_to: Callable[[Path], None]) -> None:
                 raise
             raise full from e
         with open(tmp, "rb+") as f:
+            os.fchmod(f.fileno(), FILE_MODE)
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)

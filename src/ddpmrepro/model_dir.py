@@ -15,7 +15,7 @@
                                were written; a reader checks the file it loads against it (a directory
                                written before the sums were kept has none, and is read unchecked; one
                                whose config.json says `"checksums": "SHA256SUMS"` must have them)
-    config.json                `params` (resolved), `data` (`DATA_KEYS` of the manifest it was made
+    config.json                `params` (resolved: the sections train reads, `params.trained_dict`), `data` (`DATA_KEYS` of the manifest it was made
                                for), `ema_rates`, `torch`, and what made it: train adds the data's
                                sha256, the code version, the run hash and the last logged values;
                                import adds the architecture as built and the `source` file
@@ -39,7 +39,7 @@ from . import files, outputs
 from .model import phema
 from .model.superres import build_superres
 from .model.unet import UNet, build_unet
-from .params import Params, ParamsError, check_ema_step, from_dict, snapshot_steps
+from .params import Params, ParamsError, check_ema_step, snapshot_steps, trained_from_dict
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -185,7 +185,7 @@ def config_problem(config) -> str | None:
     if not all(type(r) in (int, float) and 0 <= r < 1 for r in config["ema_rates"]):
         return f"ema_rates {config['ema_rates']!r} are not EMA rates in [0, 1)"
     try:
-        from_dict(config["params"])
+        trained_from_dict(config["params"])
     except ParamsError as e:
         return f"params: {e}"
     return None
@@ -208,7 +208,7 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu", *, ema_length: fl
     `ema_step`, 0 = the last), eval mode on `device`; the params it was made with; config.json)."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
-    trained = from_dict(config["params"])
+    trained = trained_from_dict(config["params"])
     if not ema_length and ema_rate and ema_rate not in [float(r) for r in config["ema_rates"]]:
         raise ParamsError(f"sample.ema_rate={ema_rate:g} was not trained; available: "
                           f"{', '.join(f'{float(r):g}' for r in config['ema_rates'])} (or 0 for raw weights)")

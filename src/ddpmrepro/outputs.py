@@ -33,6 +33,11 @@ def _kind(name: str, *signatures: set[str]) -> OutputKind:
     return OutputKind(name, tuple(frozenset(s) for s in signatures))
 
 
+# The one value training logs that measures the wall clock. Kept out of every output DVC hashes
+# (dvclive's metrics.json, config.json's `final`, the training-curves figure), so a rerun of the same
+# training gives the same bytes: only dvclive's TSV of it (.dvcignore'd) and evaluate's detail file hold it.
+TIMING = "images_per_sec"
+
 PREPARED = _kind("a prepared dataset (prepare)", {"manifest.json"})
 EVALUATOR = _kind("an evaluator directory (fit-evaluator)", {"config.json", "metrics.json", "model.safetensors"})
 MODEL = _kind("a model directory (train, import)", {"config.json", "SHA256SUMS"})

@@ -574,48 +574,58 @@ def _check_cross_field(obj, path: str) -> None:
         raise ParamsError(f"{path}.dump_steps: nothing is dumped without {path}.dump_modules; name the modules "
                           "to dump, e.g. [\"out\"], or set dump_steps: []")
     if isinstance(obj, Params):
-        ip = obj.introspect
-        if obj.train.timestep_sampler == "grad-norm" and (ip.noise_buckets == 0 and not ip.noise_bucket_edges
-                                                         or not (ip.every or ip.steps)):
-            raise ParamsError("train.timestep_sampler: 'grad-norm' learns from the noise-level buckets, which are "
-                              "off (introspect.noise_buckets: 0, or no recorded steps: introspect.every: 0 and "
-                              "steps: []); turn them on or pick another sampler")
-        if obj.train.cuda_graphs and obj.train.timestep_sampler == "output-grad-norm":
-            raise ParamsError("train.cuda_graphs: not with timestep_sampler 'output-grad-norm', whose per-example "
-                              "hooks keep their values on the host at every step, outside a graph; use "
-                              "'loss-second-moment' (it measured as good a guide) or set cuda_graphs: false")
-        if obj.train.cuda_graphs and obj.model.grad_checkpoint:
-            raise ParamsError("train.cuda_graphs: not with model.grad_checkpoint, whose recomputation reads the RNG "
-                              "state on the host inside the backward; a graph pays where the step is small, "
-                              "checkpointing where memory is short: turn one off")
-        if obj.train.label_dropout == 1.0 and obj.model.class_cond and not obj.train.import_from:
-            # Every label replaced by the null class: the class embeddings never train, and the samples
-            # drawn "per class" are one unconditional model's, scored as if conditioned.
-            raise ParamsError("train.label_dropout: 1 replaces every label with the null class, so the class "
-                              "embeddings of this class-conditional model never train; lower it (0.1 is usual), "
-                              "or set model.class_cond: false for an unconditional model")
-        # Introspection steps count completed updates, 1..train.steps; a later one would never be recorded.
-        for key in ("steps", "dump_steps"):
-            for i, st in enumerate(getattr(obj.introspect, key)):
-                if st > obj.train.steps:
-                    raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
-                                      f"{obj.train.steps}); steps count completed updates, 1..train.steps")
-        if obj.sample.ema_step:
-            check_ema_step(obj.sample.ema_step, obj.train)
-        if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
-            raise ParamsError(f"superres.low_res: {obj.superres.low_res} is not below data.image_size "
-                              f"({obj.data.image_size}); give the low-res side, e.g. {obj.data.image_size // 2}")
-        fast = obj.sample.sampler not in ("ddpm", "ddim")
-        if obj.sample.thresholding == "dynamic" and not fast:
-            raise ParamsError(f"sample.thresholding: 'dynamic' is for the fast solvers; {obj.sample.sampler} "
-                              "takes static or none (its clip_denoised)")
-        if obj.sample.churn and obj.sample.sampler != "heun":
-            raise ParamsError(f"sample.churn: only heun adds churn, not {obj.sample.sampler}; set churn: 0")
-        # The respacer itself decides (one rule, not a copy): any string it cannot apply to T steps.
-        try:
-            space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)
-        except ValueError as e:
-            raise ParamsError(f"sample.respacing: {e} (with diffusion.timesteps: {obj.diffusion.timesteps})") from None
+        _check_trained(obj)
+        _check_sampling(obj)
+
+
+def _check_trained(obj: "Params") -> None:
+    """The cross-section checks of what `train` reads (a model directory's config.json is held to them too)."""
+    ip = obj.introspect
+    if obj.train.timestep_sampler == "grad-norm" and (ip.noise_buckets == 0 and not ip.noise_bucket_edges
+                                                     or not (ip.every or ip.steps)):
+        raise ParamsError("train.timestep_sampler: 'grad-norm' learns from the noise-level buckets, which are "
+                          "off (introspect.noise_buckets: 0, or no recorded steps: introspect.every: 0 and "
+                          "steps: []); turn them on or pick another sampler")
+    if obj.train.cuda_graphs and obj.train.timestep_sampler == "output-grad-norm":
+        raise ParamsError("train.cuda_graphs: not with timestep_sampler 'output-grad-norm', whose per-example "
+                          "hooks keep their values on the host at every step, outside a graph; use "
+                          "'loss-second-moment' (it measured as good a guide) or set cuda_graphs: false")
+    if obj.train.cuda_graphs and obj.model.grad_checkpoint:
+        raise ParamsError("train.cuda_graphs: not with model.grad_checkpoint, whose recomputation reads the RNG "
+                          "state on the host inside the backward; a graph pays where the step is small, "
+                          "checkpointing where memory is short: turn one off")
+    if obj.train.label_dropout == 1.0 and obj.model.class_cond and not obj.train.import_from:
+        # Every label replaced by the null class: the class embeddings never train, and the samples
+        # drawn "per class" are one unconditional model's, scored as if conditioned.
+        raise ParamsError("train.label_dropout: 1 replaces every label with the null class, so the class "
+                          "embeddings of this class-conditional model never train; lower it (0.1 is usual), "
+                          "or set model.class_cond: false for an unconditional model")
+    # Introspection steps count completed updates, 1..train.steps; a later one would never be recorded.
+    for key in ("steps", "dump_steps"):
+        for i, st in enumerate(getattr(obj.introspect, key)):
+            if st > obj.train.steps:
+                raise ParamsError(f"introspect.{key}[{i}]: step {st} is after the last step (train.steps: "
+                                  f"{obj.train.steps}); steps count completed updates, 1..train.steps")
+    if obj.superres.low_res and obj.superres.low_res >= obj.data.image_size:
+        raise ParamsError(f"superres.low_res: {obj.superres.low_res} is not below data.image_size "
+                          f"({obj.data.image_size}); give the low-res side, e.g. {obj.data.image_size // 2}")
+
+
+def _check_sampling(obj: "Params") -> None:
+    """The cross-section checks of the sampling params against the training ones."""
+    if obj.sample.ema_step:
+        check_ema_step(obj.sample.ema_step, obj.train)
+    fast = obj.sample.sampler not in ("ddpm", "ddim")
+    if obj.sample.thresholding == "dynamic" and not fast:
+        raise ParamsError(f"sample.thresholding: 'dynamic' is for the fast solvers; {obj.sample.sampler} "
+                          "takes static or none (its clip_denoised)")
+    if obj.sample.churn and obj.sample.sampler != "heun":
+        raise ParamsError(f"sample.churn: only heun adds churn, not {obj.sample.sampler}; set churn: 0")
+    # The respacer itself decides (one rule, not a copy): any string it cannot apply to T steps.
+    try:
+        space_timesteps(obj.diffusion.timesteps, obj.sample.respacing)
+    except ValueError as e:
+        raise ParamsError(f"sample.respacing: {e} (with diffusion.timesteps: {obj.diffusion.timesteps})") from None
 
 
 def snapshot_steps(steps: int, count: int) -> list[int]:
@@ -665,6 +675,48 @@ def _fill_defaults(obj):
 
 def from_dict(raw: Any) -> Params:
     return _build(Params, raw, "")
+
+
+# What a model directory's config.json keeps of the params: the sections (or, for superres, the keys)
+# that `train` reads. The others are read by the stages after it (sample, evaluate, report): kept in
+# the weights' directory they gave two experiments that train the same weights and sample them
+# differently two directories, so DVC ran everything downstream of the model again for each, and a
+# run-cache restore of train handed back another experiment's sampling params.
+TRAINED_SECTIONS = ("data", "model", "diffusion", "train", "introspect", "superres")
+SUPERRES_TRAIN_KEYS = ("low_res", "quantise", "noise_aug")  # the others are read by sampling only
+
+
+def trained_dict(params: Params) -> dict:
+    """The params a model was trained with, as config.json stores them (TRAINED_SECTIONS)."""
+    d = params.to_dict()
+    out = {s: d[s] for s in TRAINED_SECTIONS}
+    out["superres"] = {k: d["superres"][k] for k in SUPERRES_TRAIN_KEYS}
+    return out
+
+
+def trained_from_dict(raw: Any) -> Params:
+    """The Params of a model directory's config.json: its trained sections checked as params.yaml's
+    are, the sampling keys at their defaults and not cross-checked (a model has none of its own:
+    the sampling params are the stage's). A config.json written before it kept the trained
+    sections alone holds the whole params: the others are dropped as they are read."""
+    if not isinstance(raw, dict):
+        raise ParamsError(f"params: expected a mapping of keys, got {raw!r}")
+    sections = {f.name: f for f in dataclasses.fields(Params)}
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ParamsError(f"{unknown[0]}: unknown key; allowed keys: {', '.join(sections)}")
+    hints = typing.get_type_hints(Params)
+    built = {s: _build(hints[s], raw.get(s), s) for s in TRAINED_SECTIONS if s != "superres"}
+    superres = raw.get("superres") or {}
+    if not isinstance(superres, dict):
+        raise ParamsError(f"superres: expected a mapping of keys, got {superres!r}")
+    # Sampling's noise level is not the model's: at 0 it never exceeds the trained noise_aug.
+    built["superres"] = _build(SuperresParams, {**{k: v for k, v in superres.items() if k in SUPERRES_TRAIN_KEYS
+                                                   or k not in dataclasses.asdict(SuperresParams())},
+                                                "sample_noise_aug": 0.0}, "superres")
+    params = Params(**built)
+    _check_trained(params)
+    return params
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..data import load_prepared
 from ..files import CheckpointError, atomic_write_texts, read_json
+from ..outputs import TIMING
 from ..params import Params
 from . import bits_per_dim
 from .evaluator import load_evaluator
@@ -131,8 +132,8 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
     # resumes at its last step logs nothing, while dvclive's files come back with the checkpoint.)
     live_metrics = Path(live_dir) / "metrics.json" if live_dir else None
     train = read_json(live_metrics, "re-run `dvc repro train`") if live_metrics and live_metrics.is_file() else {}
-    if train and "images_per_sec" not in train and (rate := last_throughput(live_dir)) is not None:
-        train["images_per_sec"] = rate  # dvclive's metrics.json holds no timing (train_log.py): from its TSV
+    if train and TIMING not in train and (rate := last_throughput(live_dir)) is not None:
+        train[TIMING] = rate  # dvclive's metrics.json holds no timing (train_log.py): from its TSV
 
     headline, detail = layout(gen, floor, _per_class(gen, floor, logits_gen, samples["labels"],
                                                      data.manifest["class_names"]),
@@ -150,10 +151,10 @@ def evaluate(params: Params, samples_dir: Path, data_dir: Path, evaluator_dir: P
 def last_throughput(live_dir: Path) -> float | None:
     """The training's last logged images/s, from dvclive's TSV of it (git's; its metrics.json, a DVC
     cached out, holds no timing: training/train_log.py); None if never logged."""
-    path = Path(live_dir) / "plots" / "metrics" / "images_per_sec.tsv"
+    path = Path(live_dir) / "plots" / "metrics" / f"{TIMING}.tsv"
     try:
         header, *rows = path.read_text().splitlines()
-        return float(rows[-1].split("\t")[header.split("\t").index("images_per_sec")]) if rows else None
+        return float(rows[-1].split("\t")[header.split("\t").index(TIMING)]) if rows else None
     except (OSError, ValueError, IndexError):
         return None
 

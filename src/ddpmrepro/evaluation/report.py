@@ -390,7 +390,7 @@ def _draw(out: Path, pg, ag, st, metrics, introspect_dir: Path, params: ReportPa
     # Not the throughput: a timing would give reports/figures (a DVC cached out) new bytes on every
     # rerun, and a fresh clone's cache would never hold the committed version (found from outside).
     # `dvc plots show` draws it from its TSV.
-    written.append(_training_curves({k: v for k, v in metrics.items() if k != "images_per_sec"},
+    written.append(_training_curves({k: v for k, v in metrics.items() if k != outputs.TIMING},
                                     out / "training_curves.png"))
     return written
 

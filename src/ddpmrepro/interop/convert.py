@@ -18,7 +18,7 @@ from .. import files, outputs
 from ..data.prepared import read_manifest
 from ..model.unet import PRESETS, SHARED_DEFAULTS
 from ..model_dir import build_model, data_section, load_model, write_model
-from ..params import Params, from_dict
+from ..params import Params, from_dict, trained_dict
 from . import ConversionError
 from . import diffusers_unet as DF
 from . import improved_diffusion as ID
@@ -140,7 +140,7 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
 
     rate = params.sample.ema_rate if ema_rate is None else float(ema_rate)
     config_out = {
-        "params": params.to_dict(),
+        "params": trained_dict(params),
         # The architecture as built (preset, overrides and defaults resolved), for a reader without the code.
         "architecture": {**SHARED_DEFAULTS, **PRESETS[params.model.preset], **params.model.overrides(),
                          "class_cond": params.model.class_cond},

@@ -251,6 +251,18 @@ def check_conflict_steps(params: Params) -> None:
                               + (f"; the nearest: {nearest}" if nearest else ""))
 
 
+def check_base_pipeline(params: Params) -> None:
+    """The project's own pipeline (dvc.yaml, the Snakefile: params.yaml) trains a base model and
+    samples it with `ddpmrepro sample`, which refuses an upsampler. With `superres.low_res` set there,
+    train would train one (dvc.yaml does not list the superres keys as train's params, so on a
+    trained project DVC would not even rerun it) and sample refuse it after. The cascade's pipeline
+    (cascade/, its own params files) is where upsamplers are trained and sampled."""
+    if params.superres.low_res:
+        raise ParamsError(f"superres.low_res: {params.superres.low_res} would train an upsampler, which this "
+                          "pipeline's sample stage (`ddpmrepro sample`, a base model's) cannot sample; set low_res: "
+                          "0 here and train upsamplers in the cascade (cascade/upsampler.yaml, docs/SUPERRES.md)")
+
+
 def check_pipeline(params: Params, data_dir: Path | None = None, checked: Path | None = None) -> None:
     """What the stages would refuse of each other, as the pipeline chains them (one ParamsError line):
     `sample` and `evaluate` read the run that `train` makes from the same file, `train` reads the data
@@ -301,6 +313,7 @@ def check_params_file(path: str | Path = "params.yaml", out_dir: str | Path | No
     """
     try:
         params = load(path)
+        check_base_pipeline(params)  # the Snakefile beside dvc.yaml (the cascade's calls no check_params_file)
         check_pipeline(params, Path(data_dir) if data_dir else None, Path(out_dir) if out_dir else None)
         if write:  # Snakemake's main process: once a run, before any job (a job's parse need not list the data)
             check_data_source(params, Path(data_dir) if data_dir else None)

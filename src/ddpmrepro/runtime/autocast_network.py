@@ -13,7 +13,11 @@ Autocast's weight-cast cache is off: each call casts each weight once anyway, an
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -31,6 +35,14 @@ class AutocastNetwork:
         with torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False):
             out = self.net(*args, **kwargs)
         return out.float()
+
+
+def note_slow_here(precision: str, device, key: str) -> None:
+    """One line where `precision` has no fast path on `device`: fp16 on a CPU (no tensor cores;
+    autocast emulates it) is made for GPUs, and a preset copied to a laptop runs there without a word."""
+    if precision == "fp16" and torch.device(device).type == "cpu":
+        log.info(f"{key}: fp16 on a CPU, which has no fast path for it (sampling measured 15x fp32's time, "
+                 "docs/SAMPLERS.md, Precision): it is for GPUs; on this machine fp32 or bf16 is faster")
 
 
 def with_precision(net, precision: str, device):

@@ -34,10 +34,10 @@ from ..model.diffusion import from_params as diffusion_from_params
 from ..model.superres import build_superres
 from ..model.unet import build_unet
 from ..model_dir import data_section, write_model_into
-from ..params import Params, ParamsError
+from ..params import SUPERRES_TRAIN_KEYS, Params, ParamsError, trained_dict
 from ..runtime import compilation
 from ..runtime import distributed as D
-from ..runtime.autocast_network import with_precision
+from ..runtime.autocast_network import note_slow_here, with_precision
 from ..runtime.memory_layout import memory_layout
 from . import checkpoint as ckpt
 from .batches import TrainBatches, TrainExamples, step_seed
@@ -66,10 +66,6 @@ OPERATIONAL_TRAIN_KEYS = ("checkpoint_every", "keep_checkpoints", "log_every", "
 # those runs keep their hash. Compiled kernels and NHWC convolutions round differently (the last bits,
 # not what is learnt); train.cuda_graphs' all-reduce is not DDP's; train.hflip, set, overrides the data's rule.
 HASHED_ONLY_WHEN_ON = {"compile": "none", "cuda_graphs": False, "channels_last": False, "hflip": None}
-
-
-# The superres keys that change what an upsampler learns (the others are read by sampling only).
-SUPERRES_TRAIN_KEYS = ("low_res", "quantise", "noise_aug")
 
 
 @dataclass(frozen=True)
@@ -257,6 +253,8 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) \
             if world > 1 and not p.cuda_graphs else raw_model
         network = with_precision(model, p.precision, device)  # fp16/bf16: autocast, the output back in fp32
+        if main:
+            note_slow_here(p.precision, device, "train.precision")
 
         def forward_backward(mb) -> dict:
             """One microbatch's loss and its scaled backward pass: device work only (train.cuda_graphs
@@ -343,7 +341,7 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
                     gns = noise_scale.log_values(means, step=done)
                     last.summary = {"step": done, **means, "grad_norm": float(total_norm), "lr": lr_at(step, p),
                                     "loss_scale": loss_scale, "skipped_steps": nonfinite.skipped_steps,
-                                    "images_per_sec": train_log.throughput(done), **gns}
+                                    outputs.TIMING: train_log.throughput(done), **gns}
                     train_log.log(done, last.summary)
                     introspection.add_rows(done, loss_weight=weighting.rows(done))  # u(t), if learned
 
@@ -464,7 +462,7 @@ def _agree(flag: bool) -> bool:
 def _without_timing(summary: dict) -> dict:
     """The logged values without the throughput: a timing would give the model directory (and the
     checkpoints) new bytes on every rerun of the same training. It stays in dvclive's files and metrics.json."""
-    return {k: v for k, v in summary.items() if k != "images_per_sec"}
+    return {k: v for k, v in summary.items() if k != outputs.TIMING}
 
 
 def _export(paths: TrainPaths, ckpt_dir: Path, raw_model, emas, params: Params, manifest, version, run_id, summary,
@@ -475,7 +473,7 @@ def _export(paths: TrainPaths, ckpt_dir: Path, raw_model, emas, params: Params, 
     before any is put in place, so a failure or a kill while writing leaves the old three; the
     swaps then follow one another (the model directory, which says the run finished, last)."""
     config = {
-        "params": params.to_dict(), "data": data_section(manifest),
+        "params": trained_dict(params), "data": data_section(manifest),
         "data_sha256": manifest["files"], "code_version": version, "run_hash": run_id,
         "ema_rates": list(emas), "final": _without_timing(summary), "torch": torch.__version__,
         "processes": D.world_size(),  # params say train.nproc per node; this is the run's world size

@@ -11,13 +11,11 @@ import time
 from pathlib import Path
 
 from .. import files
-
-
-TIMING = "images_per_sec"  # the one logged value that measures the wall clock
+from ..outputs import TIMING
 
 
 class TrainLog:
-    """`log(done, summary)` at log steps; `images_per_sec` is measured here, between two log steps."""
+    """`log(done, summary)` at log steps; TIMING (images/s) is measured here, between two log steps."""
 
     def __init__(self, live_dir: Path, *, start_step: int, total_steps: int, images_per_step: int, main: bool):
         self.main, self.images_per_step = main, images_per_step
@@ -89,7 +87,7 @@ def _progress(main: bool, start: int, total: int):
 
         def update(done, summary):
             bar.update(done - bar.n)
-            bar.set_postfix(loss=f"{summary['loss']:.4f}", img_s=f"{summary['images_per_sec']:.0f}")
+            bar.set_postfix(loss=f"{summary['loss']:.4f}", img_s=f"{summary[TIMING]:.0f}")
             if done == total:
                 bar.close()
         return update
@@ -100,5 +98,5 @@ def _progress(main: bool, start: int, total: int):
         eta = el / max(1, done - start) * (total - done)
         print(f"step {done}/{total} loss {summary['loss']:.4f} mse {summary['mse']:.4f} "
               f"grad_norm {summary['grad_norm']:.3f} lr {summary['lr']:.2e} "
-              f"{summary['images_per_sec']:.0f} img/s eta {eta:.0f}s", file=sys.stderr, flush=True)
+              f"{summary[TIMING]:.0f} img/s eta {eta:.0f}s", file=sys.stderr, flush=True)
     return line
