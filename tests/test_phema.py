@@ -503,7 +503,7 @@ def test_a_flipped_bit_in_a_snapshot_is_refused_before_sampling(tmp_path, monkey
     assert out.output.strip().splitlines() == [
         f"Error: {damaged.relative_to(tmp_path)}: sha256 differs from {model.relative_to(tmp_path)}/phema/SHA256SUMS "
         "(damaged or modified since it was written); its bytes are shared by 2 hard links (DVC's cache, the run's "
-        "checkpoint directory), so `dvc checkout` cannot restore them: `dvc pull --force models/ddpm` from a remote, "
+        "checkpoint directory), so `dvc checkout` cannot restore them: `dvc pull --force model` from a remote, "
         "or retrain with `ddpmrepro train --restart` (a `dvc repro` would find the damaged run finished)"]
 
 
@@ -524,7 +524,7 @@ def test_a_flipped_bit_in_the_ema_weights_is_refused_before_sampling(tmp_path, m
     assert out.exit_code != 0 and not (tmp_path / "samples").exists()
     assert out.output.strip().splitlines() == [
         f"Error: {damaged.relative_to(tmp_path)}: sha256 differs from {model.relative_to(tmp_path)}/SHA256SUMS "
-        "(damaged or modified since it was written); restore the model directory (`dvc checkout models/ddpm`) or "
+        "(damaged or modified since it was written); restore the model directory (`dvc checkout model`) or "
         "retrain"]
     (tmp_path / "raw.yaml").write_text(yaml.safe_dump({"sample": {"ema_rate": 0, "per_class": 1, "nfe": 3}}))
     raw = CliRunner().invoke(main, ["sample", "-p", "raw.yaml", "--model", "model", "--out", "raw"])

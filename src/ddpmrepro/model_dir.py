@@ -125,22 +125,34 @@ def write_model_into(tmp: Path, config: dict, weights: dict[str, torch.Tensor] |
 # --- reading ---------------------------------------------------------------------------------------
 
 
-RESTORE = "restore the model directory (`dvc checkout models/ddpm`) or retrain"
+def model_dir_of(path: Path) -> Path:
+    """The model directory a file or folder of it belongs to (`phema/` and its snapshots are in one)."""
+    path = Path(path)
+    return path.parent if path.name == PHEMA_DIR else path
 
 
-def damaged_fix(path: Path, fix: str = RESTORE) -> str:
-    """What to do about a file whose sum differs. Outputs are hard links to DVC's cache
-    (.dvc/config), and the snapshots to the run's checkpoint directory too: bytes damaged through
-    one name are damaged in every one, and `dvc checkout` would put back the same bytes."""
+def restore(model_dir: Path) -> str:
+    """The fix for a model directory found damaged: the directory as the user named it (the cascade's
+    are models/base and models/upsampler, not the main pipeline's models/ddpm)."""
+    return f"restore the model directory (`dvc checkout {model_dir_of(model_dir)}`) or retrain"
+
+
+def damaged_fix(path: Path, model_dir: Path, fix: str | None = None) -> str:
+    """What to do about a file of `model_dir` whose sum differs (`fix`, where the caller has its own).
+    Outputs are hard links to DVC's cache (.dvc/config), and the snapshots to the run's checkpoint
+    directory too: bytes damaged through one name are damaged in every one, and `dvc checkout`
+    would put back the same bytes."""
+    if fix is not None:
+        return fix
     try:
         links = os.stat(path).st_nlink
     except OSError:
         links = 1
-    if links < 2 or fix != RESTORE:
-        return fix
+    if links < 2:
+        return restore(model_dir)
     return (f"its bytes are shared by {links} hard links (DVC's cache, the run's checkpoint directory), so "
-            "`dvc checkout` cannot restore them: `dvc pull --force models/ddpm` from a remote, or retrain with "
-            "`ddpmrepro train --restart` (a `dvc repro` would find the damaged run finished)")
+            f"`dvc checkout` cannot restore them: `dvc pull --force {model_dir_of(model_dir)}` from a remote, or "
+            "retrain with `ddpmrepro train --restart` (a `dvc repro` would find the damaged run finished)")
 
 
 def read_config(model_dir: Path) -> dict:
@@ -158,13 +170,13 @@ def read_config(model_dir: Path) -> dict:
     try:
         config = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise files.CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {RESTORE}") from None
+        raise files.CheckpointError(f"{path}: not valid JSON ({str(e).splitlines()[0]}); {restore(model_dir)}") from None
     if not listed and isinstance(config, dict) and config.get("checksums") == MANIFEST_FILE:
         raise files.CheckpointError(f"{model_dir / MANIFEST_FILE}: missing, or it does not list {CONFIG_FILE}, in a "
-                                    "directory written with its sums: nothing in it can be checked; " + RESTORE)
+                                    "directory written with its sums: nothing in it can be checked; " + restore(model_dir))
     problem = config_problem(config)
     if problem:
-        raise files.CheckpointError(f"{path}: {problem}; {RESTORE}")
+        raise files.CheckpointError(f"{path}: {problem}; {restore(model_dir)}")
     return config
 
 
@@ -230,11 +242,11 @@ def load_model(model_dir: Path, ema_rate: float, device="cpu", *, ema_length: fl
     if wrong:
         k = wrong[0]
         raise files.CheckpointError(f"{model_dir / name}: {k} is {list(state[k].shape)}, but config.json's network "
-                                    f"has {list(expected[k].shape)} ({len(wrong)} tensors differ); {RESTORE}")
+                                    f"has {list(expected[k].shape)} ({len(wrong)} tensors differ); {restore(model_dir)}")
     bad = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
     if bad is not None:  # every image would be NaN, written as black with exit 0
         raise files.CheckpointError(f"{model_dir / name}: {bad} holds NaN or infinite values (a diverged run or a "
-                                    f"damaged file); {RESTORE}")
+                                    f"damaged file); {restore(model_dir)}")
     model.load_state_dict(state)
     return model.to(device).eval(), trained, config
 
@@ -287,7 +299,7 @@ def check_snapshots(snaps: list[Snapshot], directory: Path, train, *, run_hash: 
     for s in snaps:
         if s.run_hash != run_hash:
             raise ParamsError(f"{key}: {s.path} is a snapshot of run {s.run_hash}, not of this model's run "
-                              f"{run_hash}; restore the model directory (`dvc checkout models/ddpm`)")
+                              f"{run_hash}; {restore(directory)}")
     have = {(s.step, s.sigma_rel) for s in snaps}
     want = {(step, float(sigma)) for step in snapshot_steps(train.steps, train.posthoc_ema_snapshots)
             for sigma in train.posthoc_ema}
@@ -298,8 +310,7 @@ def check_snapshots(snaps: list[Snapshot], directory: Path, train, *, run_hash: 
     if want - have:
         step, sigma = min(want - have)
         raise ParamsError(f"{key}: {directory / snapshot_file(step, sigma)} is missing ({len(want - have)} of "
-                          f"{len(want)} snapshots); restore the model directory (`dvc checkout models/ddpm`) "
-                          "or retrain")
+                          f"{len(want)} snapshots); {restore(directory)}")
 
 
 def read_manifest(directory: Path) -> dict[str, str]:
@@ -311,8 +322,7 @@ def read_manifest(directory: Path) -> dict[str, str]:
     for line in path.read_text().splitlines():
         digest, _, name = line.partition("  ")
         if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
-            raise files.CheckpointError(f"{path}: not a SHA256SUMS file (line {line[:80]!r}); restore the model "
-                                        "directory (`dvc checkout models/ddpm`) or retrain")
+            raise files.CheckpointError(f"{path}: not a SHA256SUMS file (line {line[:80]!r}); {restore(directory)}")
         out[name] = digest
     return out
 
@@ -323,13 +333,13 @@ def check_weights_file(model_dir: Path, name: str) -> None:
     sums = read_manifest(model_dir)
     if not sums:
         return
-    path, fix = Path(model_dir) / name, RESTORE
+    path = Path(model_dir) / name
     if name not in sums:
         raise files.CheckpointError(f"{path}: not listed in {Path(model_dir) / MANIFEST_FILE}, so it cannot be "
-                                    f"checked; {fix}")
+                                    f"checked; {restore(model_dir)}")
     if path.exists() and files.sha256(path) != sums[name]:
         raise files.CheckpointError(f"{path}: sha256 differs from {Path(model_dir) / MANIFEST_FILE} (damaged or "
-                                    f"modified since it was written); {damaged_fix(path, fix)}")
+                                    f"modified since it was written); {damaged_fix(path, model_dir)}")
 
 
 def add_to_manifest(directory: Path, digests: dict[str, str]) -> None:
@@ -339,7 +349,7 @@ def add_to_manifest(directory: Path, digests: dict[str, str]) -> None:
 
 
 def verify_snapshots(directory: Path, *, sums_from: Path | None = None, shown: Path | None = None,
-                     fix: str = RESTORE) -> dict[str, str]:
+                     fix: str | None = None) -> dict[str, str]:
     """Hashes every snapshot file of `directory` once and checks it against the SHA256SUMS of
     `sums_from` (default: `directory`); returns name -> sha256. A file that differs or is not
     listed, or no SHA256SUMS, is one CheckpointError line naming the file (in `shown`, default
@@ -350,20 +360,20 @@ def verify_snapshots(directory: Path, *, sums_from: Path | None = None, shown: P
     names = sorted(p.name for p in directory.iterdir() if SNAPSHOT.match(p.name)) if directory.is_dir() else []
     if names and not manifest.exists():
         raise files.CheckpointError(f"{manifest}: not found, so the snapshots cannot be checked (written before "
-                                    f"ddpmrepro kept their sums); {fix}, or, if you trust them, write it: "
+                                    f"ddpmrepro kept their sums); {fix or restore(directory)}, or, if you trust them, write it: "
                                     f"(cd {shown} && sha256sum step_*.safetensors > {MANIFEST_FILE})")
     want = read_manifest(sums_from)
     for name in names:
         if name not in want:
             raise files.CheckpointError(f"{shown / name}: not listed in {manifest}, so it cannot be checked; "
-                                        f"remove it or {fix}")
+                                        f"remove it or {fix or restore(directory)}")
     # hashlib releases the GIL per block: a few threads hash several files at once.
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(names)))) as pool:
         digests = dict(zip(names, pool.map(lambda n: files.sha256(directory / n), names)))
     for name in names:
         if digests[name] != want[name]:
             raise files.CheckpointError(f"{shown / name}: sha256 differs from {manifest} (damaged or modified "
-                                        f"since it was written); {damaged_fix(directory / name, fix)}")
+                                        f"since it was written); {damaged_fix(directory / name, directory, fix)}")
     return digests
 
 
@@ -398,8 +408,7 @@ def reconstruct(directory: Path, length: float, train, *, run_hash: str, at_step
     for s, ci in zip(snaps, c):
         weights = files.load_weights(s.path)
         if total and weights.keys() != total.keys():
-            raise ParamsError(f"{key}: {s.path} holds other tensors than {snaps[0].path}; restore the model "
-                              "directory (`dvc checkout models/ddpm`)")
+            raise ParamsError(f"{key}: {s.path} holds other tensors than {snaps[0].path}; {restore(directory)}")
         for k, v in weights.items():
             total.setdefault(k, torch.zeros_like(v, dtype=torch.float64)).add_(v.double(), alpha=float(ci))
     return {k: v.float() for k, v in total.items()}
