@@ -341,3 +341,20 @@ def test_the_snakefiles_check_says_what_the_launcher_would_refuse_and_nothing_el
     assert launch_problems("train", _params(train={"nproc": 2}), {}) == []
     [line] = launch_problems("sample", _params(sample={"nproc": 4}), {})
     assert line == "sample.nproc=4 processes need 4 GPUs but 2 are visible; lower sample.nproc or set CUDA_VISIBLE_DEVICES"
+
+
+def test_fp16_on_a_cpu_is_noted_once_by_the_launcher_and_fp32_is_not(monkeypatch, caplog):
+    """The launcher, which runs once per run (not per torchrun worker), says that fp16 has no fast
+    path on the CPU it found (a GPU preset on a laptop trained at ~60 s a step without a word)."""
+    import logging
+
+    for key in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("DDPMREPRO_CPU_SLOTS", "0")  # no cores claimed from concurrent jobs
+    with caplog.at_level(logging.INFO, logger="ddpmrepro.runtime.autocast_network"):
+        assert launch.launch_train("cpu", 1, [], precision="fp32") is None
+        assert launch.launch_sample(1, [], "bf16") is None
+        assert not caplog.records
+        assert launch.launch_train("cpu", 1, [], precision="fp16") is None
+        assert launch.launch_sample(1, [], "fp16") is None
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["train.precision", "sample.precision"]

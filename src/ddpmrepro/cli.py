@@ -308,7 +308,7 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
                                "node) and --rdzv HOST:PORT (node 0's address and a free port), or a SLURM allocation "
                                f"of {nnodes} nodes")
     code = launch.launch_train(params.train.device, nproc or params.train.nproc, sys.argv[1:], nnodes=nnodes,
-                               node_rank=node_rank, rdzv=rdzv,
+                               node_rank=node_rank, rdzv=rdzv, precision=params.train.precision,
                                max_restarts=params.train.max_restarts if max_restarts is None else max_restarts)
     if code is not None:  # the launcher ran the training in its workers
         raise SystemExit(code)
@@ -361,7 +361,7 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
     from .evaluation.sample import sample as run
 
     params = _load_params(params_path)
-    code = launch.launch_sample(nproc or params.sample.nproc, sys.argv[1:])
+    code = launch.launch_sample(nproc or params.sample.nproc, sys.argv[1:], params.sample.precision)
     if code is not None:  # the launcher ran the sampling in its workers
         raise SystemExit(code)
     path = run(params, model_dir, out)

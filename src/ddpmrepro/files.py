@@ -89,15 +89,19 @@ def fsync_dir(path: Path) -> None:
 # --- one file --------------------------------------------------------------------------------------
 
 
-def _process_umask() -> int:
-    mask = os.umask(0o022)  # reading it means setting it: put back at once (at import, one thread)
-    os.umask(mask)
-    return mask
-
-
-# The mode a file created with open() gets. safetensors' writer creates its files 0600 whatever the
-# umask: a model directory, an export or a DVC cache on a shared cluster was unreadable to the group.
-FILE_MODE = 0o666 & ~_process_umask()
+@functools.cache
+def file_mode() -> int:
+    """The mode a file created with open() gets (0o666 less the umask). safetensors' writer creates
+    its files 0600 whatever the umask: a model directory, an export or a DVC cache on a shared
+    cluster was unreadable to the group. Linux shows the umask in /proc; elsewhere reading it means
+    setting it, put back at once."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
 
 
 def atomic_write(path: Path, write_to: Callable[[Path], None]) -> None:
@@ -118,7 +122,7 @@ def atomic_write(path: Path, write_to: Callable[[Path], None]) -> None:
                 raise
             raise full from e
         with open(tmp, "rb+") as f:
-            os.fchmod(f.fileno(), FILE_MODE)
+            os.fchmod(f.fileno(), file_mode())
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)

@@ -701,7 +701,7 @@ def trained_from_dict(raw: Any) -> Params:
     sections alone holds the whole params: the others are dropped as they are read."""
     if not isinstance(raw, dict):
         raise ParamsError(f"params: expected a mapping of keys, got {raw!r}")
-    sections = {f.name: f for f in dataclasses.fields(Params)}
+    sections = [f.name for f in dataclasses.fields(Params)]
     unknown = sorted(set(raw) - set(sections))
     if unknown:
         raise ParamsError(f"{unknown[0]}: unknown key; allowed keys: {', '.join(sections)}")
@@ -710,10 +710,10 @@ def trained_from_dict(raw: Any) -> Params:
     superres = raw.get("superres") or {}
     if not isinstance(superres, dict):
         raise ParamsError(f"superres: expected a mapping of keys, got {superres!r}")
+    sampling = set(dataclasses.asdict(SuperresParams())) - set(SUPERRES_TRAIN_KEYS)
+    kept = {k: v for k, v in superres.items() if k not in sampling}  # an unknown key stays, to be refused
     # Sampling's noise level is not the model's: at 0 it never exceeds the trained noise_aug.
-    built["superres"] = _build(SuperresParams, {**{k: v for k, v in superres.items() if k in SUPERRES_TRAIN_KEYS
-                                                   or k not in dataclasses.asdict(SuperresParams())},
-                                                "sample_noise_aug": 0.0}, "superres")
+    built["superres"] = _build(SuperresParams, {**kept, "sample_noise_aug": 0.0}, "superres")
     params = Params(**built)
     _check_trained(params)
     return params

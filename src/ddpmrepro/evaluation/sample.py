@@ -23,7 +23,7 @@ from ..model_dir import load_model
 from ..params import Params, ParamsError, SampleParams
 from ..runtime import compilation
 from ..runtime import distributed as D
-from ..runtime.autocast_network import note_slow_here, with_precision
+from ..runtime.autocast_network import with_precision
 from ..runtime.memory_layout import memory_layout
 from ..runtime.graphed_network import GraphedNetwork
 
@@ -109,8 +109,6 @@ def sample(params: Params, model_dir: Path, out_dir: Path) -> Path:
     memory_layout(model, p.channels_last)  # NHWC weights: each convolution lays out its output as its weight is
     compiler(model)  # the network is called nfe times per batch: its blocks compiled once
     model = with_precision(model, p.precision, device)  # bf16/fp16 forwards; the solver in float32
-    if D.is_main():
-        note_slow_here(p.precision, device, "sample.precision")
     if p.cuda_graphs:  # and replayed from a CUDA graph per batch shape (the solver's arithmetic stays eager)
         model = GraphedNetwork(model, device)
     if trained.superres.low_res:

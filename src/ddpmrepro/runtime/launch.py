@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def launch_train(device: str, nproc: int, argv: list[str], *, max_restarts: int = 0, nnodes: int = 1,
-                 node_rank: int | None = None, rdzv: str | None = None) -> int | None:
+                 node_rank: int | None = None, rdzv: str | None = None, precision: str = "fp32") -> int | None:
     """Starts the processes `ddpmrepro train` needs and returns the launcher's exit code, or None
     when this process is the one to train (one process, or a worker that torchrun already started).
 
@@ -39,6 +39,7 @@ def launch_train(device: str, nproc: int, argv: list[str], *, max_restarts: int 
         launcher's own options (`worker_args`).
     :param nnodes: the nodes the run is on (train.nodes); on SLURM the allocation must have as many.
     :param node_rank, rdzv: a multi-node run without SLURM (checked by the caller).
+    :param precision: train.precision, noted where this machine has no fast path for it (once, here).
     :raises LaunchError: a launch that cannot work as started (one line).
     """
     from .distributed import in_launch
@@ -57,6 +58,8 @@ def launch_train(device: str, nproc: int, argv: list[str], *, max_restarts: int 
     multinode = role == "per-node" or slurm_nodes() > 1
     # On several nodes SLURM hands out the nodes: no machine-wide slots to claim on this one.
     on_cpu = check_devices(device, nproc, claim=not multinode)
+    if on_cpu:
+        note_slow_here(precision, "cpu", "train.precision")
     if multinode and on_cpu:  # each node's processes get the threads a one-node run would give them
         os.environ["OMP_NUM_THREADS"] = str(node_threads(dict(os.environ), nproc))
     if role == "per-node":
@@ -68,7 +71,7 @@ def launch_train(device: str, nproc: int, argv: list[str], *, max_restarts: int 
     return None
 
 
-def launch_sample(nproc: int, argv: list[str]) -> int | None:
+def launch_sample(nproc: int, argv: list[str], precision: str = "fp32") -> int | None:
     """Starts the processes `ddpmrepro sample` needs (one node: the images are sharded over its
     ranks) and returns the launcher's exit code, or None when this process samples."""
     from .distributed import in_launch
@@ -77,10 +80,17 @@ def launch_sample(nproc: int, argv: list[str]) -> int | None:
         return None
     if srun_role(dict(os.environ)) != "once":
         raise LaunchError("ddpmrepro sample runs on one node: start it once, not with srun on several nodes")
-    check_devices("auto", nproc, key="sample.nproc")
+    if check_devices("auto", nproc, key="sample.nproc"):
+        note_slow_here(precision, "cpu", "sample.precision")
     if nproc > 1:
         return run_launcher(torchrun_command(nproc, worker_args(argv)))
     return None
+
+
+def note_slow_here(precision: str, device, key: str) -> None:
+    from .autocast_network import note_slow_here as note  # torch: only where a run is launched
+
+    note(precision, device, key)
 
 
 def check_devices(device: str, nproc: int, *, key: str = "train.nproc", claim: bool = True) -> bool:

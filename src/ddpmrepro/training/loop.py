@@ -37,7 +37,7 @@ from ..model_dir import data_section, write_model_into
 from ..params import SUPERRES_TRAIN_KEYS, Params, ParamsError, trained_dict
 from ..runtime import compilation
 from ..runtime import distributed as D
-from ..runtime.autocast_network import note_slow_here, with_precision
+from ..runtime.autocast_network import with_precision
 from ..runtime.memory_layout import memory_layout
 from . import checkpoint as ckpt
 from .batches import TrainBatches, TrainExamples, step_seed
@@ -253,8 +253,6 @@ def train(params: Params, paths: TrainPaths, *, restart: bool = False) -> dict:
         model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None) \
             if world > 1 and not p.cuda_graphs else raw_model
         network = with_precision(model, p.precision, device)  # fp16/bf16: autocast, the output back in fp32
-        if main:
-            note_slow_here(p.precision, device, "train.precision")
 
         def forward_backward(mb) -> dict:
             """One microbatch's loss and its scaled backward pass: device work only (train.cuda_graphs
