@@ -14,6 +14,10 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 # Verification stamps of prepared data (ddpmrepro.data.verify) go to a throwaway cache, not ~/.cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ddpmrepro-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+# Inductor's kernels of the compile tests (hundreds of MB) likewise, not left in /tmp/torchinductor_$USER.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="ddpmrepro-tests-inductor-"))
+if os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(tempfile.gettempdir()):
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 # No machine-wide CPU-core locks from the test processes (cpu_slots): tests that run several
 # ddpmrepro processes at once would take turns, and concurrent test runs would wait for each other.
 # tests/test_cpu_slots.py and the sweep test turn it on with a lock directory of their own.
@@ -22,6 +26,46 @@ os.environ["DDPMREPRO_CPU_SLOTS"] = "0"
 for key, value in {"GIT_AUTHOR_NAME": "ddpmrepro tests", "GIT_AUTHOR_EMAIL": "tests@ddpmrepro.invalid",
                    "GIT_COMMITTER_NAME": "ddpmrepro tests", "GIT_COMMITTER_EMAIL": "tests@ddpmrepro.invalid"}.items():
     os.environ.setdefault(key, value)
+
+
+# Disk: the suite's temporary directories (trained tiny models, DVC repos and caches, SLURM spools)
+# peak at about PEAK_GB when each is kept to the end of the run; a CI machine shares its disk. So a
+# passing test's tmp_path goes at its teardown (pyproject: tmp_path_retention_policy), and a module's
+# own directories (tmp_path_factory) at the end of the module unless one of its tests failed.
+PEAK_GB = 3
+
+
+def pytest_report_header(config):
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    line = f"free disk under {tempfile.gettempdir()}: {free:.1f} GB (the suite needs about {PEAK_GB} GB)"
+    return line if free > PEAK_GB else f"WARNING: {line}: expect 'No space left on device' errors"
+
+
+_failed_modules = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        _failed_modules.add(item.module.__name__)
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_tmp_dirs_removed(request, tmp_path_factory):
+    """Removes the directories a module's fixtures made with tmp_path_factory once the module is done
+    (those that the session fixtures made are kept), unless a test of the module failed: then they
+    stay for a look, as pytest keeps a failed test's tmp_path."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.module.__name__ in _failed_modules:
+        return
+    for path in set(base.iterdir()) - before:
+        if path.name.startswith(SESSION_DIRS):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,6 +90,9 @@ def one_thread():
     with threadpool_limits(1):
         yield
     torch.set_num_threads(n)
+
+
+SESSION_DIRS = ("e2e",)  # the basetemp names of the session fixtures' directories, kept to the end
 
 
 @pytest.fixture(scope="session")
