@@ -214,7 +214,7 @@ def damage_largest_record(pt: Path, out: Path) -> str:
 
 
 @pytest.mark.parametrize("case", ["truncated", "damaged", "missing", "unexpected", "shape", "other-architecture",
-                                  "code", "not-a-state-dict", "nan", "integers"])
+                                  "code", "not-a-state-dict", "nan", "integers", "absent"])
 def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case, tmp_path, monkeypatch):
     root, theirs, pt = small_id
     monkeypatch.chdir(root)
@@ -253,6 +253,8 @@ def test_a_bad_checkpoint_stops_with_one_line_and_writes_nothing(small_id, case,
         with open(bad, "wb") as f:
             torch.save({"x": torch.zeros(1), "payload": Payload(marker)}, f, pickle_protocol=2)
         expected = [str(bad), "refused", "nothing in the file is run"]
+    elif case == "absent":  # a typo in the path: said "not found" only after the data and params checks
+        expected = [str(bad), "not found", "improved-diffusion .pt file"]
     else:
         torch.save([torch.zeros(1)], bad)
         expected = [str(bad), "not a state dict"]
@@ -402,6 +404,8 @@ def test_export_and_import_refuse_an_out_they_would_destroy_and_replace_their_ow
     one_line_error(cli("import", "src", "--format", "diffusers", "--out", "data", "--data", "data"),
                    "--out data: is not empty and is not a model directory (train, import) "
                    "(it has no SHA256SUMS + config.json)")
+    one_line_error(cli("import", "srcc", "--format", "diffusers", "--out", "models/tiny", "--data", "data"),
+                   "srcc: not found; pass the path of a diffusers UNet2DModel or pipeline folder")
     assert {p: p.read_bytes() for p in sorted(tiny_model_dir.rglob("*")) if p.is_file()} == before
     for _ in range(2):  # into a new folder, then over the export it made
         assert cli("export", "--format", "diffusers", "--model", "models/tiny", "--out", "out").exit_code == 0

@@ -105,6 +105,9 @@ def import_model(src: Path, fmt: str, out: Path, params: Params, data_dir: Path,
     if fmt not in FORMATS:
         raise ConversionError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     src, out = Path(src), Path(out)
+    if not src.exists():  # first: the data's manifest or a missing config.json would be named instead
+        what = "a diffusers UNet2DModel or pipeline folder" if fmt == "diffusers" else f"an {fmt} .pt file"
+        raise ConversionError(f"{src}: not found; pass the path of {what}")
     manifest = read_manifest(Path(data_dir))
     if fmt == "diffusers":
         if params.superres.low_res:
