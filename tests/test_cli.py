@@ -62,6 +62,24 @@ def test_missing_prepared_data_is_one_clear_line(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_missing_model_is_said_before_sample_waits_for_cpu_cores(tmp_path, monkeypatch):
+    """Found from outside: `ddpmrepro sample --model nothere` waited up to two minutes for CPU cores
+    (cpu_slots) that concurrent jobs held, then said config.json was not found."""
+    from ddpmrepro.runtime import launch
+
+    def claimed(*args, **kwargs):
+        raise AssertionError("sample took (or waited for) CPU cores before checking --model")
+
+    monkeypatch.setattr(launch, "check_devices", claimed)
+    (tmp_path / "params.yaml").write_text("{}\n")
+    result = CliRunner().invoke(main, ["sample", "-p", str(tmp_path / "params.yaml"), "--model", str(tmp_path / "nothere"),
+                                       "--out", str(tmp_path / "s")])
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert result.output.strip().splitlines() == [f"Error: {tmp_path / 'nothere' / 'config.json'}: not found; "
+                                                  "train first (`dvc repro train`)"]
+    assert not (tmp_path / "s").exists()
+
+
 def test_info_lists_presets_with_parameter_counts_for_the_params_data():
     root = Path(__file__).resolve().parents[1]
     # Ho et al.'s 35,746,307 and Nichol & Dhariwal's 52,546,438 (learned sigma) at 3x32x32, plus our

@@ -123,6 +123,16 @@ def test_cli_refuses_nnodes_without_node_rank_and_rdzv(tmp_path):
     assert result.exit_code == 2 and result.output.strip().splitlines()[-1] == (
         "Error: train.nodes=3 needs --node-rank K (0 to 2, a different one on each node) and --rdzv HOST:PORT "
         "(node 0's address and a free port), or a SLURM allocation of 3 nodes"), result.output
+    # On one node, --node-rank 1 and --rdzv were ignored without a word (found from outside: the
+    # training ran, or a finished one was exported again)
+    (tmp_path / "params.yaml").write_text("{}\n")
+    for extra, flags in ((["--node-rank", "1"], "--node-rank"), (["--rdzv", "foo"], "--rdzv"),
+                         (["--node-rank", "1", "--rdzv", "h:1"], "--node-rank and --rdzv")):
+        result = CliRunner().invoke(main, ["train", "--params", str(tmp_path / "params.yaml"), *extra],
+                                    env={"SLURM_JOB_ID": None})
+        assert result.exit_code == 2 and result.output.strip().splitlines()[-1] == (
+            f"Error: {flags}: for a training on several nodes, but train.nodes=1; leave them out, "
+            "or pass --nnodes N"), result.output
 
 
 def test_a_slurm_allocation_of_another_node_count_than_train_nodes_is_refused():

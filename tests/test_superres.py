@@ -138,6 +138,21 @@ def test_with_project_the_output_downsampled_is_its_input(trained, tmp_path):
     assert shares[False][0] > 2.0
 
 
+def test_sample_superres_takes_its_cpu_cores_as_the_other_torch_stages_do(trained, tmp_path, monkeypatch):
+    """Found from outside: the cascade's heaviest stage took no cpu_slots share and ran beside a
+    training that held every core."""
+    import torch
+
+    from ddpmrepro.runtime import cpu_slots
+
+    claims = []
+    monkeypatch.setattr(cpu_slots, "claim", lambda nproc=1, **kw: claims.append(nproc) or [])
+    cli("sample-superres", "--params", str(write_params(tmp_path / "p.yaml")), "--model", str(trained / "model"),
+        "--data", str(trained / "data"), "--out", str(tmp_path / "s"))
+    assert claims == ([] if torch.cuda.device_count() else [1])
+    assert (tmp_path / "s" / "samples.npz").is_file()
+
+
 @pytest.mark.slow
 def test_the_cascade_upsamples_a_base_runs_samples(trained, tmp_path):
     g = np.random.default_rng(0)

@@ -307,6 +307,10 @@ def train(params_path: Path, data_dir: Path, out: Path, live_dir: Path, introspe
         raise click.UsageError(f"{given} needs --node-rank K (0 to {nnodes - 1}, a different one on each "
                                "node) and --rdzv HOST:PORT (node 0's address and a free port), or a SLURM allocation "
                                f"of {nnodes} nodes")
+    if nnodes == 1 and not D.in_launch() and ((node_rank or 0) > 0 or rdzv):  # ignored: found from outside
+        given_flags = " and ".join(f for f, v in (("--node-rank", node_rank), ("--rdzv", rdzv)) if v)
+        raise click.UsageError(f"{given_flags}: for a training on several nodes, but {given}; "
+                               "leave them out, or pass --nnodes N")
     code = launch.launch_train(params.train.device, nproc or params.train.nproc, sys.argv[1:], nnodes=nnodes,
                                node_rank=node_rank, rdzv=rdzv, precision=params.train.precision,
                                max_restarts=params.train.max_restarts if max_restarts is None else max_restarts)
@@ -360,8 +364,11 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
     from .runtime import launch
     from .evaluation.sample import sample as run
 
+    from .model_dir import read_config
+
     params = _load_params(params_path)
-    code = launch.launch_sample(nproc or params.sample.nproc, sys.argv[1:], params.sample.precision)
+    code = launch.launch_sample(nproc or params.sample.nproc, sys.argv[1:], params.sample.precision,
+                                check_first=lambda: read_config(model_dir))
     if code is not None:  # the launcher ran the sampling in its workers
         raise SystemExit(code)
     path = run(params, model_dir, out)
@@ -457,8 +464,14 @@ def sample_superres(params_path: Path, model_dir: Path, data_dir: Path | None, l
     import dataclasses
 
     from .evaluation.superres import sample_superres as run
+    from .model_dir import read_config
+    from .runtime import launch
 
     params = _load_params(params_path)
+    read_config(model_dir)  # a wrong --model said before any wait for cores
+    # Its share of the cores (cpu_slots), or a GPU (gpu_slots), as `sample` takes them: found from
+    # outside, it ran beside a training that held every core and slowed it 4-8x.
+    launch.check_devices("auto", 1, key="sample.nproc")
     if low_res_from is not None:  # one params file serves the test-split and the cascade stages
         params = dataclasses.replace(params, superres=dataclasses.replace(params.superres, low_res_from=low_res_from))
     path = run(params, model_dir, out, data_dir)

@@ -178,7 +178,8 @@ class TrainParams:
     """Read by `train`. Steps count completed optimizer updates, everywhere."""
 
     seed: int = _f(0, min=0, doc="Initial weights, data order and every per-example draw derive from it.")
-    steps: int = _f(1500, min=1, doc="Optimizer updates to run.")
+    steps: int = _f(1500, min=1, doc="Optimizer updates to run. Part of the run's hash (the learning-rate anneal "
+                    "depends on it): raising it trains a new run from step 0, not on from the last checkpoint.")
     batch_per_proc: int = _f(128, min=1, doc="Images per process per microbatch; the global batch is "
                                              "batch_per_proc x nproc x nodes x grad_accum.")
     grad_accum: int = _f(1, min=1, doc="Microbatches accumulated per optimizer update.")
@@ -820,6 +821,9 @@ def markdown(shipped: dict | None = None) -> str:
            "any stage at load, before it writes anything, with exit code 2 and one line naming the key, e.g.",
            "`Error: params.yaml: train.precision: 'fp8' is not one of fp32 | fp16 | bf16`. An empty file is",
            "refused too (write `{}` to mean every default). Steps count completed optimizer updates everywhere.",
+           "One exception under `dvc repro`: a misspelt *section* that dvc.yaml interpolates (`sampel:` for `sample:`)",
+           "stops DVC's own parser first, `failed to parse 'stages.sample.meta' ... Could not find 'sample.nproc'`",
+           "(nothing runs, nothing is touched); `ddpmrepro check-params` and `snakemake` name the key.",
            "", "Checked across keys:",
            "- `sample.respacing` must respace `diffusion.timesteps` steps (by the very function that respaces);",
            "- `introspect.steps` and `introspect.dump_steps` lie in 1..`train.steps`; `dump_steps` need `dump_modules`;",

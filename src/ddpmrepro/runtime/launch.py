@@ -71,15 +71,18 @@ def launch_train(device: str, nproc: int, argv: list[str], *, max_restarts: int 
     return None
 
 
-def launch_sample(nproc: int, argv: list[str], precision: str = "fp32") -> int | None:
+def launch_sample(nproc: int, argv: list[str], precision: str = "fp32", check_first=None) -> int | None:
     """Starts the processes `ddpmrepro sample` needs (one node: the images are sharded over its
-    ranks) and returns the launcher's exit code, or None when this process samples."""
+    ranks) and returns the launcher's exit code, or None when this process samples. `check_first()`
+    runs before any wait for cores or GPUs (a wrong --model said at once: found from outside)."""
     from .distributed import in_launch
 
     if in_launch():
         return None
     if srun_role(dict(os.environ)) != "once":
         raise LaunchError("ddpmrepro sample runs on one node: start it once, not with srun on several nodes")
+    if check_first is not None:
+        check_first()
     if check_devices("auto", nproc, key="sample.nproc"):
         note_slow_here(precision, "cpu", "sample.precision")
     if nproc > 1:
