@@ -364,11 +364,11 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
     from .runtime import launch
     from .evaluation.sample import sample as run
 
-    from .model_dir import read_config
+    from .model_dir import require_config
 
     params = _load_params(params_path)
     code = launch.launch_sample(nproc or params.sample.nproc, sys.argv[1:], params.sample.precision,
-                                check_first=lambda: read_config(model_dir))
+                                check_first=lambda: require_config(model_dir))
     if code is not None:  # the launcher ran the sampling in its workers
         raise SystemExit(code)
     path = run(params, model_dir, out)
@@ -464,11 +464,11 @@ def sample_superres(params_path: Path, model_dir: Path, data_dir: Path | None, l
     import dataclasses
 
     from .evaluation.superres import sample_superres as run
-    from .model_dir import read_config
+    from .model_dir import require_config
     from .runtime import launch
 
     params = _load_params(params_path)
-    read_config(model_dir)  # a wrong --model said before any wait for cores
+    require_config(model_dir)  # a wrong --model said before any wait for cores
     # Its share of the cores (cpu_slots), or a GPU (gpu_slots), as `sample` takes them: found from
     # outside, it ran beside a training that held every core and slowed it 4-8x.
     launch.check_devices("auto", 1, key="sample.nproc")

@@ -155,15 +155,23 @@ def damaged_fix(path: Path, model_dir: Path, fix: str | None = None) -> str:
             "retrain with `ddpmrepro train --restart` (a `dvc repro` would find the damaged run finished)")
 
 
-def read_config(model_dir: Path) -> dict:
-    """config.json of a model directory, checked against SHA256SUMS where they list it (directories
-    written before they did are not) and in its shape; CheckpointError (one line) where there is
-    none, or it is damaged or edited."""
+def require_config(model_dir: Path) -> Path:
+    """The path of config.json in a model directory; CheckpointError (one line) where there is none.
+    Cheap: the launchers call it before they wait for cores or GPUs (a wrong --model said at once)."""
     model_dir = Path(model_dir)
     files.recover_dir(model_dir)  # a writer killed mid-swap where directories cannot be exchanged
     path = model_dir / CONFIG_FILE
     if not path.exists():
         raise files.CheckpointError(f"{path}: not found; train first (`dvc repro train`)")
+    return path
+
+
+def read_config(model_dir: Path) -> dict:
+    """config.json of a model directory, checked against SHA256SUMS where they list it (directories
+    written before they did are not) and in its shape; CheckpointError (one line) where there is
+    none, or it is damaged or edited."""
+    model_dir = Path(model_dir)
+    path = require_config(model_dir)
     listed = CONFIG_FILE in read_manifest(model_dir)
     if listed:
         check_weights_file(model_dir, CONFIG_FILE)
