@@ -34,6 +34,10 @@ from ddpmrepro.data import prepare
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Each stage with every path it reads or writes, relative to the working directory of the test.
+# The minimal environments below keep the suite's throwaway Inductor cache (conftest.py): without it,
+# torch made /tmp/torchinductor_$USER (hundreds of MB) and left it after the run.
+INDUCTOR_CACHE = {k: v for k, v in os.environ.items() if k == "TORCHINDUCTOR_CACHE_DIR"}
+
 STAGE_ARGS = {
     "prepare": ["--out", "data"],
     "fit-evaluator": ["--data", "data", "--out", "evaluator"],
@@ -160,7 +164,7 @@ def test_bad_params_end_to_end_in_a_fresh_process(outputs):
     before = snapshot(outputs)
     proc = subprocess.run([sys.executable, "-m", "ddpmrepro.cli", "train", "--params", "params.yaml",
                            *STAGE_ARGS["train"]], capture_output=True, text=True, cwd=outputs,
-                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}, timeout=300)
+                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", **INDUCTOR_CACHE}, timeout=300)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == ["Error: params.yaml: train.on_nonfinite: 'ignore' is not one of error | skip"]
     assert snapshot(outputs) == before
@@ -510,7 +514,7 @@ def test_a_second_process_training_the_same_run_waits_for_the_first_and_takes_wh
         proc = subprocess.Popen([sys.executable, "-m", "ddpmrepro.cli", "train", "--params", "params.yaml",
                                  *STAGE_ARGS["train"]], stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=run,
                                 # No core slots: another ddpmrepro job on this machine would make it wait first.
-                                env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                                env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", **INDUCTOR_CACHE, "OMP_NUM_THREADS": "1",
                                      "DDPMREPRO_CPU_SLOTS": "0"})
         try:
             deadline = time.monotonic() + 300  # importing torch on a loaded 2-core machine: seconds, not minutes
@@ -649,7 +653,7 @@ def test_an_empty_directory_or_an_earlier_output_of_the_kind_is_replaced(trainab
 def run_with_tmpfs(root: Path, mnt: Path, options: str, commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """Runs each command in `root` with a tmpfs mounted on `mnt` with `options` (e.g. `ro`), in a
     mount namespace of the commands' own (root with CAP_SYS_ADMIN only)."""
-    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", **INDUCTOR_CACHE, "OMP_NUM_THREADS": "1"}
     if os.geteuid() != 0 or subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
         pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN")
     driver = ("import json, subprocess, sys\n"
@@ -667,7 +671,7 @@ def run_with_read_only_dir(root: Path, ro: Path, commands: list[list[str]]) -> l
     ro.mkdir()
     if os.geteuid() == 0:
         return run_with_tmpfs(root, ro, "ro,size=1m", commands)
-    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", **INDUCTOR_CACHE, "OMP_NUM_THREADS": "1"}
     ro.chmod(0o555)
     try:
         return [subprocess.run(c, cwd=root, env=env, capture_output=True, text=True, timeout=300) for c in commands]
