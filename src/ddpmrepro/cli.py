@@ -361,10 +361,9 @@ def sample(params_path: Path, model_dir: Path, out: Path, nproc: int | None) -> 
     Image k depends only on (sample.seed, k): not on batch size or process count.
     """
     from .runtime import distributed as D
-    from .runtime import launch
     from .evaluation.sample import sample as run
-
     from .model_dir import require_config
+    from .runtime import launch
 
     params = _load_params(params_path)
     code = launch.launch_sample(nproc or params.sample.nproc, sys.argv[1:], params.sample.precision,
@@ -468,10 +467,9 @@ def sample_superres(params_path: Path, model_dir: Path, data_dir: Path | None, l
     from .runtime import launch
 
     params = _load_params(params_path)
-    require_config(model_dir)  # a wrong --model said before any wait for cores
-    # Its share of the cores (cpu_slots), or a GPU (gpu_slots), as `sample` takes them: found from
-    # outside, it ran beside a training that held every core and slowed it 4-8x.
-    launch.check_devices("auto", 1, key="sample.nproc")
+    # One process, launched as `sample` is: its share of the cores (cpu_slots) or a GPU (found from
+    # outside: it ran beside a training that held every core), a wrong --model said before that.
+    launch.launch_sample(1, sys.argv[1:], params.sample.precision, check_first=lambda: require_config(model_dir))
     if low_res_from is not None:  # one params file serves the test-split and the cascade stages
         params = dataclasses.replace(params, superres=dataclasses.replace(params.superres, low_res_from=low_res_from))
     path = run(params, model_dir, out, data_dir)

@@ -31,7 +31,7 @@ from ..data import load_prepared, to_model_range, to_uint8
 from ..model.superres import augment, bicubic_upsample, downsample, project
 from ..model_dir import load_model
 from ..params import Params, ParamsError
-from ..runtime.autocast_network import note_slow_here, with_precision
+from ..runtime.autocast_network import with_precision
 from ..runtime.memory_layout import memory_layout
 from .evaluate import read_samples
 from .sample import NOT_IN_THE_IMAGES, bind_labels, check_guidance, image_seed, process, run_sampler, save_grid
@@ -116,7 +116,6 @@ def sample_superres(params: Params, model_dir: Path, out_dir: Path, data_dir: Pa
                                          ema_length=params.sample.ema_length, ema_step=params.sample.ema_step)
     memory_layout(model, params.sample.channels_last)  # NHWC weights, as in `sample`
     model = with_precision(model, params.sample.precision, device)
-    note_slow_here(params.sample.precision, device, "sample.precision")  # one process (no --nproc yet)
     side = trained.superres.low_res
     if not side:
         raise ParamsError(f"{model_dir} is a base model (superres.low_res: 0 in its config.json); sample it with "
